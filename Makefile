@@ -1,0 +1,29 @@
+# The two README commands: `make demo` and `make test`. Both build the environments first.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+PYTEST_ARGS ?=
+
+.PHONY: help setup demo test test-main test-cai bench docs clean
+
+help:
+	@echo "make demo   - train a tiny Llama under DeepSpeed ZeRO-3, export, verify, reload"
+	@echo "make test   - the whole test suite (both environments)"
+	@echo "make setup  - build .venv and .venv-cai (idempotent)"
+
+setup:
+	@scripts/setup-venv.sh .venv requirements/main.txt
+	@scripts/setup-venv.sh .venv-cai requirements/cai.txt requirements/cai-nodeps.txt
+
+demo: setup
+	.venv/bin/python demo/run_demo.py
+
+test: setup test-main test-cai
+
+test-main:
+	.venv/bin/python -m pytest tests -ra --durations=15 $(PYTEST_ARGS)
+
+test-cai:
+	.venv-cai/bin/python -m pytest tests/cai -ra --durations=10 $(PYTEST_ARGS)
+
+clean:
+	rm -rf .venv .venv-cai .test-cache site

@@ -1,0 +1,72 @@
+"""Execute the reads of a :class:`~.plan.TensorPlan`: output bytes for one tensor.
+
+The hot path (a plain tensor kept in its stored dtype) yields the source byte ranges straight
+from ``mmap`` with no tensor library. Casts, tensor-parallel merges and unpadding import torch
+and hold one tensor in memory.
+"""
+
+from typing import Iterator
+
+from .errors import LayoutError
+from .plan import TensorPlan
+from .safe_load import DTYPE_SIZES, MappedFiles
+
+__all__ = ["out_dtype_for", "iter_bytes", "to_torch", "FLOAT_DTYPES"]
+
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+_TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def out_dtype_for(t: TensorPlan, requested):
+    """Floating tensors take the requested dtype (default: as stored); integer ones never change."""
+    if requested is None or t.src_dtype not in FLOAT_DTYPES:
+        return t.src_dtype
+    return requested
+
+
+def _torch_dtype(name):
+    import torch
+
+    return getattr(torch, _TORCH_NAMES[name])
+
+
+def _flat(pieces, files: MappedFiles):
+    import torch
+
+    chunks = [torch.frombuffer(files.read(p.path, p.offset, p.numel * DTYPE_SIZES[p.dtype]),
+                               dtype=_torch_dtype(p.dtype)) if p.numel else torch.empty(0, dtype=_torch_dtype(p.dtype))
+              for p in pieces]
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+
+def to_torch(t: TensorPlan, files: MappedFiles):
+    """The tensor ``t`` describes, in its source dtype (a copy only where merging needs one)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        # frombuffer on a read-only mmap warns; the tensor is never written to.
+        warnings.simplefilter("ignore", UserWarning)
+        if len(t.parts) == 1:
+            out = _flat(t.parts[0], files).view(t.part_shape or t.shape)
+        else:
+            import torch
+
+            out = torch.cat([_flat(p, files).view(t.part_shape) for p in t.parts], dim=t.cat_dim)
+        if t.keep_rows is not None:
+            out = out[: t.keep_rows]
+    if tuple(out.shape) != tuple(t.shape):
+        raise LayoutError(f"{t.name}: assembled shape {tuple(out.shape)} != recorded {tuple(t.shape)}")
+    return out
+
+
+def iter_bytes(t: TensorPlan, out_dtype: str, files: MappedFiles) -> Iterator[memoryview]:
+    """Yield the output bytes of ``t`` in ``out_dtype``, in order, a chunk at a time."""
+    if t.is_byte_copy and all(p.dtype == out_dtype for p in t.parts[0]):
+        for p in t.parts[0]:
+            yield files.read(p.path, p.offset, p.numel * DTYPE_SIZES[p.dtype])
+        return
+    tensor = to_torch(t, files).to(_torch_dtype(out_dtype)).contiguous()
+    import torch
+
+    yield memoryview(tensor.view(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")

@@ -1,0 +1,132 @@
+"""``hf-ckpt inspect | export | verify`` (also ``python -m hf_ckpt_integrations``).
+
+Each command is ``X_command(args)`` plus ``X_command_parser(subparsers=None)``, so it works
+standalone or as a subcommand and tests can call ``parser.parse_args([...])`` directly.
+Exit codes: 0 success, 1 verification found a difference, 2 bad input or refused checkpoint
+(one ``error:`` line on stderr naming the file and what to do).
+"""
+
+import argparse
+import json
+import sys
+
+from .errors import EXIT_BAD_INPUT, EXIT_DIFFERENT, EXIT_OK, CheckpointError
+
+__all__ = ["main", "build_parser", "inspect_command", "export_command", "verify_command"]
+
+
+def _parser(subparsers, name, help_text):
+    if subparsers is not None:
+        return subparsers.add_parser(name, help=help_text, description=help_text)
+    return argparse.ArgumentParser(prog=f"hf-ckpt {name}", description=help_text)
+
+
+def inspect_command_parser(subparsers=None):
+    p = _parser(subparsers, "inspect", "Describe a checkpoint: engine, stage, world layout, dtypes, tensors, problems.")
+    p.add_argument("src", help="DeepSpeed save dir, tag dir, or Trainer checkpoint-N dir")
+    p.add_argument("--tag", help="tag to read (default: the one named by 'latest')")
+    p.add_argument("--config", help="directory holding config.json (default: next to the checkpoint)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=inspect_command)
+    return p
+
+
+def inspect_command(args) -> int:
+    from .api import inspect_checkpoint
+
+    info = inspect_checkpoint(args.src, tag=args.tag, config=args.config)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return EXIT_OK
+    print(f"engine      {info['engine']} (ZeRO stage {info['zero_stage']})")
+    print(f"tag         {info['tag']}   source {info['source']}")
+    print(f"world       dp={info['dp_size']} mp={info['mp_size']} (mp axis: {info['mp_axis']})")
+    print(f"dtypes      " + ", ".join(f"{k}={v}" for k, v in info["dtypes"].items()))
+    print(f"tensors     {info['tensor_count']} ({', '.join(f'{v} {k}' for k, v in info['tensors_by_kind'].items())}), "
+          f"{info['parameters']:,} parameters, {info['bytes_fp32']:,} bytes in fp32")
+    if info["aliases"]:
+        print("tied        " + ", ".join(f"{a} -> {t}" for a, t in info["aliases"].items()))
+    print(f"config      {info['config_dir'] or 'not found (pass --config to export)'}")
+    for note in info["notes"]:
+        print(f"note        {note}")
+    return EXIT_OK
+
+
+def export_command_parser(subparsers=None):
+    p = _parser(subparsers, "export", "Write a checkpoint as a HuggingFace directory that from_pretrained loads.")
+    p.add_argument("src", help="DeepSpeed save dir, tag dir, or Trainer checkpoint-N dir")
+    p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
+    p.add_argument("--tag", help="tag to read (default: the one named by 'latest')")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                   help="output dtype of floating tensors (default: fp32 masters when the checkpoint has them)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB or 500MB (default 5GB)")
+    p.add_argument("--config", help="directory holding config.json/tokenizer files to copy "
+                   "(default: next to the checkpoint)")
+    p.add_argument("--overwrite", action="store_true", help="replace dst if it exists (atomically)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
+    p.set_defaults(func=export_command)
+    return p
+
+
+def export_command(args) -> int:
+    from .sources import build_plan
+    from .writer import write_plan
+
+    plan = build_plan(args.src, tag=args.tag, dtype=args.dtype, config=args.config)
+    report = write_plan(plan, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                        overwrite=args.overwrite, quiet=args.quiet)
+    for note in plan.notes:
+        if "config.json" in note:
+            print(f"warning: {note}", file=sys.stderr)
+    if not args.quiet:
+        print(f"wrote {report['destination']}: {report['shards']} shard(s), {report['tensor_bytes']:,} tensor bytes, "
+              f"{report['bytes_on_disk']:,} bytes on disk, {report['seconds']} s")
+    return EXIT_OK
+
+
+def verify_command_parser(subparsers=None):
+    p = _parser(subparsers, "verify", "Compare an exported directory with its source, every tensor bitwise.")
+    p.add_argument("dst", help="the exported HuggingFace directory")
+    p.add_argument("--against", required=True, help="the source checkpoint it was exported from")
+    p.add_argument("--tag", help="tag of the source (default: the one named by 'latest')")
+    p.set_defaults(func=verify_command)
+    return p
+
+
+def verify_command(args) -> int:
+    from .api import verify_checkpoint
+
+    report = verify_checkpoint(args.dst, args.against, tag=args.tag)
+    if report.ok:
+        print(f"ok: {report.checked} tensors bitwise equal to {args.against}")
+        return EXIT_OK
+    for line in report.differences:
+        print(f"differs: {line}")
+    print(f"{len(report.differences)} of {report.checked} tensors differ", file=sys.stderr)
+    return EXIT_DIFFERENT
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="hf-ckpt", description="Make distributed training checkpoints "
+                                     "loadable with from_pretrained: inspect, export, verify.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    inspect_command_parser(sub)
+    export_command_parser(sub)
+    verify_command_parser(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

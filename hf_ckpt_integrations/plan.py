@@ -1,0 +1,128 @@
+"""The export plan: plain, printable data saying how every output tensor is assembled.
+
+A source builds it from metadata alone; :mod:`.writer` executes it; :mod:`.verify` re-reads
+through it. Nothing here reads a file.
+
+An output tensor is ``pieces`` laid end to end (each a byte range of one source file, in the
+source dtype), then viewed as ``shape``. Tensor-parallel merges and vocabulary unpadding are
+expressed as ``parts`` (one flat list of pieces per slice, merged along ``cat_dim``) and
+``keep_rows``.
+"""
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+__all__ = ["Piece", "TensorPlan", "ExportPlan", "DTYPE_NAMES", "dtype_from_name"]
+
+# CLI/user names -> safetensors names
+DTYPE_NAMES = {"fp32": "F32", "float32": "F32", "bf16": "BF16", "bfloat16": "BF16", "fp16": "F16",
+               "float16": "F16", "half": "F16"}
+
+
+def dtype_from_name(name: Optional[str]) -> Optional[str]:
+    if name is None:
+        return None
+    try:
+        return DTYPE_NAMES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16") from None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``numel`` consecutive elements of dtype ``dtype`` at byte ``offset`` of ``path``."""
+
+    path: str
+    offset: int
+    numel: int
+    dtype: str
+
+
+@dataclass
+class TensorPlan:
+    """One output tensor.
+
+    ``parts`` holds one list of pieces per tensor-parallel slice; a plain (unsplit) tensor has
+    exactly one part. Slices are concatenated along ``cat_dim`` (each slice has ``part_shape``),
+    then only the first ``keep_rows`` rows are kept (vocabulary padding), giving ``shape``.
+    ``replicas`` are further copies of the same tensor that must be equal to ``parts``.
+    """
+
+    name: str
+    shape: Tuple[int, ...]
+    src_dtype: str
+    parts: List[List[Piece]]
+    kind: str = "master"  # master | module | frozen | buffer
+    cat_dim: Optional[int] = None
+    part_shape: Optional[Tuple[int, ...]] = None
+    keep_rows: Optional[int] = None
+    rule: Optional[str] = None  # where a TP merge rule came from
+    replicas: List[List[List[Piece]]] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def is_byte_copy(self) -> bool:
+        """True when the output bytes are the source pieces laid end to end (the hot path)."""
+        return len(self.parts) == 1 and self.keep_rows is None
+
+
+@dataclass
+class ExportPlan:
+    """Everything ``export`` will do, decided before a byte is written."""
+
+    engine: str
+    source: str
+    tag: Optional[str]
+    stage: Optional[int]
+    dp_size: int
+    mp_size: int
+    mp_axis: str  # "none" | "tp" | "replica"
+    tensors: List[TensorPlan]
+    aliases: Dict[str, str] = field(default_factory=dict)  # tied name -> stored name
+    dtypes: Dict[str, str] = field(default_factory=dict)  # what the checkpoint holds: kind -> dtype
+    config_dir: Optional[str] = None
+    files: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+    padding_removed: Dict[str, Tuple[int, int]] = field(default_factory=dict)
+
+    def tensor_bytes(self, out_dtype: Optional[str] = None) -> int:
+        from .safe_load import DTYPE_SIZES
+
+        return sum(t.numel * DTYPE_SIZES[out_dtype or t.src_dtype] for t in self.tensors)
+
+    def summary(self) -> dict:
+        """A JSON-able description (what ``inspect --json`` prints)."""
+        by_kind: Dict[str, int] = {}
+        for t in self.tensors:
+            by_kind[t.kind] = by_kind.get(t.kind, 0) + 1
+        return {
+            "engine": self.engine,
+            "source": self.source,
+            "tag": self.tag,
+            "zero_stage": self.stage,
+            "dp_size": self.dp_size,
+            "mp_size": self.mp_size,
+            "mp_axis": self.mp_axis,
+            "dtypes": self.dtypes,
+            "tensor_count": len(self.tensors),
+            "tensors_by_kind": by_kind,
+            "parameters": sum(t.numel for t in self.tensors),
+            "bytes_fp32": self.tensor_bytes("F32"),
+            "aliases": self.aliases,
+            "config_dir": self.config_dir,
+            "files": self.files,
+            "notes": self.notes,
+            "padding_removed": {k: list(v) for k, v in self.padding_removed.items()},
+            "tensors": [
+                {"name": t.name, "shape": list(t.shape), "dtype": t.src_dtype, "kind": t.kind,
+                 "pieces": sum(len(p) for p in t.parts), "cat_dim": t.cat_dim, "rule": t.rule,
+                 "replicas": len(t.replicas)}
+                for t in self.tensors
+            ],
+        }

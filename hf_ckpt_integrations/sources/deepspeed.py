@@ -1,0 +1,411 @@
+"""DeepSpeed ZeRO-1/2/3 checkpoints on disk -> :class:`~..plan.ExportPlan`.
+
+Reads only pickled metadata (through :mod:`..safe_load`, never DeepSpeed or torch); tensors
+stay :class:`~..safe_load.TensorRef` byte ranges until the writer copies them. Files are
+placed by the data-parallel rank in their name read as a number (never by sort order), and
+ZeRO-1/2 placements are then proven against the offsets each file records
+(``param_slice_mappings``).
+"""
+
+import os
+import re
+from collections import OrderedDict
+from typing import Dict, List, Optional
+
+from .. import safe_load
+from ..errors import CheckpointError, LayoutError
+from ..plan import ExportPlan, Piece, TensorPlan, dtype_from_name
+from . import layout
+
+__all__ = ["build_plan", "resolve_tag_dir", "find_config_dir"]
+
+_OPTIM_RE = re.compile(r"^(?:(bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+
+
+def _is_tag_dir(path: str) -> bool:
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return any(_OPTIM_RE.match(n) or _MODEL_RE.match(n) for n in names)
+
+
+def resolve_tag_dir(src: str, tag: Optional[str] = None):
+    """Return ``(tag_dir, tag)`` for a save dir (``latest`` + tag dirs), a tag dir, or a Trainer
+    ``checkpoint-N`` dir. Raises :class:`CheckpointError` naming what to pass instead."""
+    src = os.path.abspath(src)
+    if tag is not None:
+        cand = os.path.join(src, tag)
+        if _is_tag_dir(cand):
+            return cand, tag
+        if os.path.basename(src) == tag and _is_tag_dir(src):
+            return src, tag
+        raise CheckpointError(f"{cand}: tag {tag!r} does not exist or holds no DeepSpeed files; "
+                              f"tags found: {_list_tags(src) or 'none'}")
+    latest = os.path.join(src, "latest")
+    if os.path.isfile(latest):
+        with open(latest, encoding="utf-8", errors="replace") as fh:
+            named = fh.read().strip()
+        cand = os.path.join(src, named)
+        if not named or not _is_tag_dir(cand):
+            raise CheckpointError(f"{latest}: names tag {named!r}, but {cand} does not exist or holds no "
+                                  f"DeepSpeed files; pass --tag with one of: {_list_tags(src) or 'none'}")
+        return cand, named
+    if _is_tag_dir(src):
+        return src, os.path.basename(src)
+    tags = _list_tags(src)
+    if len(tags) == 1:
+        return os.path.join(src, tags[0]), tags[0]
+    if tags:
+        raise CheckpointError(f"{src}: holds several tags ({', '.join(tags)}) and no 'latest' file; "
+                              "pass --tag to choose one")
+    raise CheckpointError(f"{src}: no DeepSpeed checkpoint found (no 'latest' file, no *_model_states.pt "
+                          "or *_optim_states.pt); pass a DeepSpeed save dir, a tag dir or a Trainer "
+                          "checkpoint-N dir")
+
+
+def _list_tags(src: str) -> List[str]:
+    try:
+        return sorted(n for n in os.listdir(src) if _is_tag_dir(os.path.join(src, n)))
+    except OSError:
+        return []
+
+
+def find_config_dir(candidates) -> Optional[str]:
+    for d in candidates:
+        if d and os.path.isfile(os.path.join(d, "config.json")):
+            return d
+    return None
+
+
+def _require(obj, key, path, what):
+    if not isinstance(obj, dict) or key not in obj:
+        raise CheckpointError(f"{path}: not a DeepSpeed {what} file (no {key!r}); "
+                              "pass the directory of an engine.save_checkpoint() call")
+    return obj[key]
+
+
+class _Rank:
+    """One data-parallel rank of one model-parallel rank: its optimizer file, read lazily."""
+
+    def __init__(self, path, dp_rank, prefix):
+        self.path = path
+        self.dp_rank = dp_rank
+        self.prefix = prefix
+        self._osd = None
+
+    @property
+    def osd(self):
+        if self._osd is None:
+            obj = safe_load.load(self.path)
+            self._osd = _require(obj, "optimizer_state_dict", self.path, "ZeRO optimizer")
+            if not isinstance(self._osd, dict) or "zero_stage" not in self._osd:
+                raise CheckpointError(f"{self.path}: optimizer state has no 'zero_stage'; not a ZeRO "
+                                      "checkpoint (ZeRO stage 0 / plain optimizers are not supported)")
+        return self._osd
+
+
+def build_plan(src: str, *, tag: Optional[str] = None, dtype: Optional[str] = None,
+               config: Optional[str] = None) -> ExportPlan:
+    """Plan the export of a DeepSpeed ZeRO checkpoint (see the module docstring)."""
+    out_dtype = dtype_from_name(dtype)
+    src = os.path.abspath(src)
+    tag_dir, tag = resolve_tag_dir(src, tag)
+    names = sorted(os.listdir(tag_dir))
+    optim: Dict[int, Dict[int, _Rank]] = {}
+    prefixes = set()
+    for n in names:
+        m = _OPTIM_RE.match(n)
+        if m:
+            prefix, dp_rank, mp_rank = m.group(1) or "", int(m.group(2)), int(m.group(3))
+            prefixes.add(prefix)
+            optim.setdefault(mp_rank, {})[dp_rank] = _Rank(os.path.join(tag_dir, n), dp_rank, prefix)
+    models: Dict[int, Dict[Optional[int], str]] = {}
+    for n in names:
+        m = _MODEL_RE.match(n)
+        if m:
+            dp_rank = int(m.group(1)) if m.group(1) is not None else None
+            models.setdefault(int(m.group(2)), {})[dp_rank] = os.path.join(tag_dir, n)
+    if not optim:
+        raise CheckpointError(f"{tag_dir}: no *_optim_states.pt files; the save is incomplete or was made "
+                              "with exclude_frozen_parameters/without a ZeRO optimizer: re-save it with "
+                              "engine.save_checkpoint()")
+    if len(prefixes) > 1:
+        raise LayoutError(f"{tag_dir}: optimizer files of different precisions mixed "
+                          f"({sorted(p or 'fp32' for p in prefixes)}); files from two saves were copied "
+                          "together: keep only one save's files")
+    mp_ranks = sorted(optim)
+    if mp_ranks != list(range(len(mp_ranks))) or sorted(models) != mp_ranks:
+        raise LayoutError(f"{tag_dir}: model-parallel ranks {mp_ranks} of optimizer files and "
+                          f"{sorted(models)} of model files do not match 0..N-1; a rank file is missing: "
+                          "copy the whole tag directory again")
+    if len(mp_ranks) > 1:
+        raise LayoutError(f"{tag_dir}: model-parallel checkpoint (mp_size={len(mp_ranks)}); merging "
+                          "model-parallel ranks is not supported by this version")
+    per_mp = [_plan_mp_rank(tag_dir, mp, optim[mp], models[mp], out_dtype) for mp in mp_ranks]
+    plan = per_mp[0]
+    plan.source = src
+    plan.tag = tag
+    plan.mp_size = len(mp_ranks)
+    plan.config_dir = config if config is not None else find_config_dir(
+        [tag_dir, src, os.path.dirname(src)])
+    if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
+        raise CheckpointError(f"{config}: no config.json there; pass --config a directory holding the "
+                              "model's config.json (e.g. from model.config.save_pretrained(dir))")
+    if plan.config_dir is None:
+        plan.notes.append("no config.json found next to the checkpoint: pass --config DIR, or the "
+                          "exported directory will not load with from_pretrained")
+    else:
+        _drop_tied_aliases(plan)
+    return plan
+
+
+def _shape(value, path, name):
+    try:
+        shape = tuple(int(s) for s in value)
+    except (TypeError, ValueError):
+        raise LayoutError(f"{path}: recorded shape of {name} is not a shape ({value!r}); the file is corrupt")
+    if any(s < 0 for s in shape):
+        raise LayoutError(f"{path}: recorded shape of {name} is negative ({shape}); the file is corrupt")
+    return shape
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _tensor_pieces(ref: safe_load.TensorRef, start: int, count: int) -> Piece:
+    if not isinstance(ref, safe_load.TensorRef):
+        raise LayoutError(f"expected a tensor, found {type(ref).__name__}; the file is corrupt")
+    if start < 0 or count < 0 or start + count > ref.numel:
+        raise LayoutError(f"{ref.path}: a recorded offset points past the end of a partition "
+                          f"({start}+{count} > {ref.numel}); the file does not match the recorded shapes")
+    offset, _ = ref.byte_range(start, count)
+    return Piece(ref.path, offset, count, ref.dtype)
+
+
+def _plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, _Rank], model_files, out_dtype) -> ExportPlan:
+    dp = len(ranks)
+    if sorted(ranks) != list(range(dp)):
+        missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+        raise LayoutError(f"{tag_dir}: data-parallel rank file(s) {missing} missing (found ranks "
+                          f"{sorted(ranks)}); copy the whole tag directory again")
+    first = ranks[0].osd
+    stage = int(first["zero_stage"]) if not isinstance(first["zero_stage"], int) else first["zero_stage"]
+    for r in ranks.values():
+        pc = r.osd.get("partition_count")
+        counts = pc if isinstance(pc, list) else [pc]
+        if int(r.osd["zero_stage"]) != stage or any(int(c) != dp for c in counts):
+            raise LayoutError(f"{r.path}: records zero_stage={int(r.osd['zero_stage'])} partition_count={pc}, "
+                              f"but the tag holds {dp} rank files of stage {stage}; files from different "
+                              "saves are mixed: copy one save's tag directory again")
+    if stage == 3:
+        model_path = model_files.get(0)
+        if model_path is None or sorted(k for k in model_files) != list(range(dp)):
+            raise LayoutError(f"{tag_dir}: ZeRO-3 needs one zero_pp_rank_R_mp_rank_{mp_rank:02d}_model_states.pt "
+                              f"per rank 0..{dp - 1}; found {sorted(str(k) for k in model_files)}")
+    else:
+        model_path = model_files.get(None)
+        if model_path is None:
+            raise LayoutError(f"{tag_dir}: mp_rank_{mp_rank:02d}_model_states.pt is missing; copy the whole "
+                              "tag directory again")
+    model = safe_load.load(model_path)
+    param_groups = _require(model, "param_shapes", model_path, "model-states")
+    module = model.get("module") or {}
+    if not isinstance(param_groups, list) or not isinstance(module, dict):
+        raise LayoutError(f"{model_path}: 'param_shapes' or 'module' has an unexpected type; the file is corrupt")
+    shared = model.get("shared_params") or {}
+    buffer_names = list(model.get("buffer_names") or [])
+
+    tensors: "OrderedDict[str, TensorPlan]" = OrderedDict()
+    if stage == 3:
+        _plan_zero3(ranks, param_groups, model_path, tensors)
+        _plan_zero3_frozen(model_files, dp, tensors)
+    else:
+        _plan_zero12(ranks, param_groups, model_path, tensors)
+        _plan_zero12_frozen(model, model_path, tensors)
+    for name in buffer_names:
+        ref = module.get(name)
+        if isinstance(ref, safe_load.TensorRef):
+            tensors[name] = TensorPlan(name, ref.shape, ref.dtype, [[_tensor_pieces(ref, 0, ref.numel)]],
+                                       kind="buffer")
+    if stage != 3:
+        # ZeRO-1 keeps frozen parameters only in the module state dict.
+        for name, ref in module.items():
+            if name in tensors or name in shared or not isinstance(ref, safe_load.TensorRef):
+                continue
+            tensors[name] = TensorPlan(name, ref.shape, ref.dtype, [[_tensor_pieces(ref, 0, ref.numel)]],
+                                       kind="frozen")
+    module_dtypes = {ref.dtype for ref in module.values() if isinstance(ref, safe_load.TensorRef)}
+    module_dtype = module_dtypes.pop() if len(module_dtypes) == 1 else None
+    if out_dtype is not None and stage != 3 and out_dtype == module_dtype:
+        # The 16-bit (or fp32) module weights are saved whole: copy them instead of casting masters.
+        for name, t in tensors.items():
+            ref = module.get(name)
+            if t.kind == "master" and isinstance(ref, safe_load.TensorRef) and ref.shape == t.shape:
+                tensors[name] = TensorPlan(name, t.shape, ref.dtype, [[_tensor_pieces(ref, 0, ref.numel)]],
+                                           kind="module")
+
+    # Output order = the model's state_dict order (as save_pretrained writes it), then the rest.
+    ordered = [tensors.pop(n) for n in list(module) if n in tensors]
+    ordered += list(tensors.values())
+    files = sorted({p.path for t in ordered for part in t.parts for p in part} | {model_path})
+    dtypes = {"master": "F32"}
+    if module_dtype is not None:
+        dtypes["module"] = module_dtype
+    plan = ExportPlan(engine="deepspeed", source=tag_dir, tag=None, stage=stage, dp_size=dp, mp_size=1,
+                      mp_axis="none", tensors=ordered, aliases={str(k): str(v) for k, v in shared.items()},
+                      dtypes=dtypes, files=files)
+    if ranks[0].prefix:
+        plan.notes.append(f"optimizer files carry the {ranks[0].prefix}_ prefix (mixed-precision training)")
+    return plan
+
+
+def _plan_zero12(ranks, param_groups, model_path, tensors):
+    dp = len(ranks)
+    for i, group in enumerate(param_groups):
+        names = list(group)
+        shapes = [_shape(group[n], model_path, n) for n in names]
+        parts, pads = [], []
+        for r in range(dp):
+            osd = ranks[r].osd
+            try:
+                parts.append(osd["single_partition_of_fp32_groups"][i])
+                pads.append(int(osd.get("group_paddings", [0] * len(param_groups))[i]))
+            except (KeyError, IndexError, TypeError):
+                raise LayoutError(f"{ranks[r].path}: has no fp32 partition for parameter group {i} "
+                                  f"({len(param_groups)} groups recorded); files from different saves are mixed")
+            if not isinstance(parts[-1], safe_load.TensorRef) or parts[-1].dtype != "F32":
+                raise LayoutError(f"{ranks[r].path}: fp32 partition of group {i} is not an fp32 tensor; "
+                                  "the file is corrupt")
+        try:
+            frags = layout.zero12_fragments([_numel(s) for s in shapes], [p.numel for p in parts], pads)
+        except ValueError as e:
+            raise LayoutError(f"{ranks[0].path}: parameter group {i}: {e}; the model-states file "
+                              f"{os.path.basename(model_path)} and the optimizer files come from different "
+                              "saves or are corrupt") from None
+        for r in range(dp):
+            recorded = ranks[r].osd.get("param_slice_mappings")
+            if isinstance(recorded, list) and i < len(recorded) and isinstance(recorded[i], dict):
+                rec = {str(k): _address(v, ranks[r].path) for k, v in recorded[i].items()}
+                bad = layout.check_slice_mappings(names, frags, r, rec)
+                if bad:
+                    raise LayoutError(f"{ranks[r].path}: the offsets this file records (param_slice_mappings) "
+                                      f"disagree with its place as data-parallel rank {r} for {bad[:3]}; the "
+                                      "file was renamed or comes from another save: restore the original names")
+        for name, shape, fr in zip(names, shapes, frags):
+            pieces = [_tensor_pieces(parts[r], local, count) for r, local, count in fr]
+            tensors[name] = TensorPlan(name, shape, "F32", [pieces], kind="master")
+
+
+def _address(value, path):
+    try:
+        return int(value.numel), int(value.start)
+    except (AttributeError, TypeError, ValueError):
+        raise LayoutError(f"{path}: a param_slice_mappings entry is not a fragment address; the file is corrupt")
+
+
+def _plan_zero3(ranks, param_groups, model_path, tensors):
+    dp = len(ranks)
+    merged = OrderedDict()
+    for group in param_groups:
+        for n, s in group.items():
+            merged[n] = _shape(s, model_path, n)
+    flats = []
+    for r in range(dp):
+        groups = ranks[r].osd.get("fp32_flat_groups")
+        if not isinstance(groups, list) or not all(isinstance(g, safe_load.TensorRef) and g.dtype == "F32"
+                                                   for g in groups):
+            raise LayoutError(f"{ranks[r].path}: no fp32_flat_groups tensors; not a ZeRO-3 optimizer file "
+                              "or corrupt")
+        flats.append(groups)
+    lengths = {sum(g.numel for g in f) for f in flats}
+    if len(lengths) != 1:
+        raise LayoutError(f"{ranks[0].path}: ranks hold flat buffers of different lengths {sorted(lengths)}; "
+                          "files from different saves are mixed")
+    names = list(merged)
+    try:
+        frags = layout.zero3_fragments([_numel(merged[n]) for n in names], dp, lengths.pop())
+    except ValueError as e:
+        raise LayoutError(f"{ranks[0].path}: {e}; the model-states and optimizer files come from different "
+                          "saves or are corrupt") from None
+    for name, fr in zip(names, frags):
+        pieces = []
+        for r, local, count in fr:
+            pieces.extend(_segmented_pieces(flats[r], local, count))
+        tensors[name] = TensorPlan(name, merged[name], "F32", [pieces], kind="master")
+
+
+def _segmented_pieces(segments, start, count):
+    """Pieces for ``count`` elements from ``start`` of the concatenation of ``segments``."""
+    out = []
+    for seg in segments:
+        if count <= 0:
+            break
+        if start >= seg.numel:
+            start -= seg.numel
+            continue
+        take = min(count, seg.numel - start)
+        out.append(_tensor_pieces(seg, start, take))
+        count -= take
+        start = 0
+    if count > 0:
+        raise LayoutError(f"{segments[0].path}: flat buffer shorter than the recorded shapes need")
+    return out
+
+
+def _plan_zero12_frozen(model, model_path, tensors):
+    shapes = model.get("frozen_param_shapes") or {}
+    frags = model.get("frozen_param_fragments") or {}
+    for name, shape in shapes.items():
+        ref = frags.get(name)
+        shape = _shape(shape, model_path, name)
+        if not isinstance(ref, safe_load.TensorRef) or ref.numel != _numel(shape):
+            raise LayoutError(f"{model_path}: frozen parameter {name} has no fragment of {_numel(shape)} elements")
+        tensors[name] = TensorPlan(name, shape, ref.dtype, [[_tensor_pieces(ref, 0, ref.numel)]], kind="frozen")
+
+
+def _plan_zero3_frozen(model_files, dp, tensors):
+    per_rank = [safe_load.load(model_files[r]) for r in range(dp)] if dp > 1 else None
+    first = per_rank[0] if per_rank else safe_load.load(model_files[0])
+    shapes = first.get("frozen_param_shapes") or {}
+    for name, shape in shapes.items():
+        shape = _shape(shape, model_files[0], name)
+        n = _numel(shape)
+        chunk = layout.ceil_div(n, dp)
+        pieces = []
+        for r in range(dp):
+            count = min(chunk, n - r * chunk)
+            if count <= 0:
+                break
+            ref = ((per_rank[r] if per_rank else first).get("frozen_param_fragments") or {}).get(name)
+            if not isinstance(ref, safe_load.TensorRef) or ref.numel < count:
+                raise LayoutError(f"{model_files[r]}: frozen parameter {name} has no fragment of {count} "
+                                  "elements; files from different saves are mixed")
+            pieces.append(_tensor_pieces(ref, 0, count))
+        tensors[name] = TensorPlan(name, shape, pieces[0].dtype, [pieces], kind="frozen")
+
+
+def _drop_tied_aliases(plan: ExportPlan):
+    """Tied names (``lm_head.weight`` -> ``model.embed_tokens.weight``) are written once, as
+    ``save_pretrained`` does; ``from_pretrained`` re-ties them. Kept when the config says the
+    weights are not tied (the engine shared them by hand)."""
+    import json
+
+    try:
+        with open(os.path.join(plan.config_dir, "config.json"), encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{plan.config_dir}/config.json: unreadable ({e}); fix it or pass --config")
+    if cfg.get("tie_word_embeddings", True) is False and plan.aliases:
+        by_name = {t.name: t for t in plan.tensors}
+        for alias, target in plan.aliases.items():
+            if target in by_name and alias not in by_name:
+                t = by_name[target]
+                plan.tensors.append(TensorPlan(alias, t.shape, t.src_dtype, t.parts, kind=t.kind))
+        plan.notes.append("config.json says tie_word_embeddings=false: tied aliases written as copies")
+        plan.aliases = {}

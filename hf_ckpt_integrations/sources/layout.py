@@ -1,0 +1,88 @@
+"""ZeRO partition arithmetic on plain numbers (no files, no tensors): unit-tested on synthetic metadata.
+
+ZeRO-1/2 flatten each parameter group and cut the flat buffer into equal partitions, one per
+data-parallel rank, in rank order; parameters lie back to back in the order recorded in
+``param_shapes``. DeepSpeed saves each partition without the group's alignment padding, which
+only the last rank carries (``group_paddings``).
+
+ZeRO-3 partitions every parameter on its own: rank ``r`` holds elements
+``[r*ceil(n/dp), (r+1)*ceil(n/dp))`` of each parameter, and its flat fp32 buffer holds those
+chunks back to back in ``param_shapes`` order. The last rank's chunk is zero-padded.
+"""
+
+from typing import Dict, List, Sequence, Tuple
+
+__all__ = ["Fragment", "zero12_fragments", "zero3_fragments", "ceil_div"]
+
+# (rank, element offset inside that rank's flat partition, element count)
+Fragment = Tuple[int, int, int]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def zero12_fragments(numels: Sequence[int], partition_numels: Sequence[int],
+                     paddings: Sequence[int]) -> List[List[Fragment]]:
+    """Where each parameter of one ZeRO-1/2 group lives.
+
+    ``partition_numels[r]`` is the saved (unpadded) length of rank ``r``'s partition and
+    ``paddings[r]`` the padding DeepSpeed removed from it; every rank's padded length must be
+    the same. Raises ``ValueError`` when the recorded numbers do not fit together.
+    """
+    dp = len(partition_numels)
+    sizes = {p + pad for p, pad in zip(partition_numels, paddings)}
+    if len(sizes) != 1:
+        raise ValueError(f"partitions of unequal padded size {sorted(sizes)}")
+    size = sizes.pop()
+    total = sum(numels)
+    available = sum(partition_numels)
+    if total != available:
+        raise ValueError(f"recorded shapes hold {total} elements but the {dp} partitions hold {available}")
+    out: List[List[Fragment]] = []
+    offset = 0
+    for n in numels:
+        frags = []
+        start, end = offset, offset + n
+        while start < end:
+            rank = start // size
+            local = start - rank * size
+            count = min(end, (rank + 1) * size) - start
+            frags.append((rank, local, count))
+            start += count
+        out.append(frags)
+        offset = end
+    return out
+
+
+def zero3_fragments(numels: Sequence[int], dp: int, flat_numel: int) -> List[List[Fragment]]:
+    """Where each parameter lives under ZeRO-3 given ``dp`` ranks whose flat buffers hold ``flat_numel``."""
+    needed = sum(ceil_div(n, dp) for n in numels)
+    if needed != flat_numel:
+        raise ValueError(f"recorded shapes need {needed} elements per rank but each rank's flat buffer "
+                         f"holds {flat_numel}")
+    out: List[List[Fragment]] = []
+    local = 0
+    for n in numels:
+        chunk = ceil_div(n, dp)
+        frags = []
+        for rank in range(dp):
+            count = min(chunk, n - rank * chunk)
+            if count > 0:
+                frags.append((rank, local, count))
+        out.append(frags)
+        local += chunk
+    return out
+
+
+def check_slice_mappings(names: Sequence[str], frags: List[List[Fragment]], rank: int,
+                         recorded: Dict[str, Tuple[int, int]]) -> List[str]:
+    """Compare ZeRO-1/2 ``param_slice_mappings`` (name -> (numel, start)) of ``rank`` with the
+    computed fragments; return the names that disagree (empty when the placement is proven)."""
+    expected = {}
+    for name, fr in zip(names, frags):
+        for r, local, count in fr:
+            if r == rank:
+                expected[name] = (count, local)
+    bad = [n for n in set(expected) | set(recorded) if expected.get(n) != tuple(recorded.get(n, ()))]
+    return sorted(bad)

@@ -1,0 +1,49 @@
+"""Shared pieces of the engine scripts launched by the tests (never imported by the package).
+
+Each script runs under ``torchrun`` as a real multi-process job on CPU with gloo.
+"""
+import json
+import os
+from pathlib import Path
+
+import torch
+
+# Not a round number on purpose: exposes padding and alignment bugs (DeepSpeed pads ZeRO
+# partitions to multiples of 2*world_size; AutoTP and ColossalAI pad vocabularies).
+VOCAB_SIZE = 1001
+
+
+def tiny_llama_config(*, tie_word_embeddings=False, vocab_size=VOCAB_SIZE, **overrides):
+    from transformers import LlamaConfig
+
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def fixed_batch(step, *, batch=2, seq=16, vocab_size=VOCAB_SIZE, rank=0):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, vocab_size, (batch, seq), generator=g)
+    return ids
+
+
+def probe_input(vocab_size=VOCAB_SIZE):
+    """The fixed input whose logits are recorded at save time and compared after export."""
+    return torch.arange(0, 24).remainder(vocab_size).view(2, 12) * 37 % vocab_size
+
+
+def write_json(path, obj):
+    Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True))
+
+
+def rank():
+    return int(os.environ.get("RANK", "0"))
