@@ -47,3 +47,20 @@ def write_json(path, obj):
 
 def rank():
     return int(os.environ.get("RANK", "0"))
+
+
+def init_cpu_deepspeed_state():
+    """Make Accelerate/Trainer see the real world size when DeepSpeed runs on CPU.
+
+    On a machine without a GPU, Accelerate 1.16 finds no default backend, so the state
+    ``TrainingArguments`` builds is ``DistributedType.NO`` with ``num_processes == 1`` on every
+    rank (both ranks then write the same files) although DeepSpeed's group has 2 ranks.
+    Building the state first, for DeepSpeed and with gloo, fixes it; ``TrainingArguments`` must
+    then be given ``accelerator_config={"use_configured_state": True}`` to keep it.
+    """
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    from accelerate import PartialState
+
+    state = PartialState(backend="gloo")
+    assert state.num_processes == int(os.environ.get("WORLD_SIZE", "1")), state
+    return state

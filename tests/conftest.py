@@ -1,0 +1,92 @@
+"""Test harness: real engines in real processes, built once and cached.
+
+``engine_ckpt(name)`` launches ``tests/engines/<script>`` with ``torchrun --standalone`` on CPU
+(DeepSpeed picks its CPU accelerator and gloo) the first time a case is asked for, and keeps
+the result under ``.test-cache/`` keyed by the package versions and the engine scripts, so a
+rerun costs nothing. Each case directory holds the engine's checkpoint and the reference
+weights the engine itself reported at save time.
+"""
+
+import hashlib
+import importlib.metadata as md
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ENGINES = REPO / "tests" / "engines"
+ENGINE_TIMEOUT_S = 900
+
+# ColossalAI tests run in .venv-cai only (`make test-cai`).
+collect_ignore = [] if importlib.util.find_spec("colossalai") else ["cai"]
+
+# name -> (script, nproc, args). Each is one real multi-process run.
+CASES = {
+    **{f"z{s}-{d}": ("ds_train.py", 2, ["--stage", str(s), "--dtype", d]) for s in (1, 2, 3) for d in ("fp32", "bf16")},
+    **{f"z{s}-frozen": ("ds_train.py", 2, ["--stage", str(s), "--variant", "frozen"]) for s in (1, 2, 3)},
+    **{f"z{s}-tied": ("ds_train.py", 2, ["--stage", str(s), "--variant", "tied"]) for s in (2, 3)},
+    "trainer-z3": ("trainer_train.py", 2, ["--stage", "3"]),
+}
+
+
+def _cache_key() -> str:
+    h = hashlib.sha256()
+    for pkg in ("torch", "deepspeed", "transformers", "accelerate", "safetensors"):
+        try:
+            h.update(f"{pkg}={md.version(pkg)};".encode())
+        except md.PackageNotFoundError:
+            h.update(f"{pkg}=none;".encode())
+    for script in sorted(ENGINES.glob("*.py")):
+        h.update(script.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("HFCKPT_TEST_CACHE", REPO / ".test-cache")) / f"engines-{_cache_key()}"
+
+
+def torchrun(script, nproc, args, *, log, timeout=ENGINE_TIMEOUT_S, env=None):
+    """Run ``script`` under torchrun on CPU; raise with the log tail when it fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(script), *map(str, args)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log, "w") as fh:
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env, timeout=timeout, cwd=REPO)
+    if proc.returncode != 0:
+        tail = Path(log).read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"{' '.join(cmd)} failed with {proc.returncode}; log {log}:\n{tail}")
+
+
+def build_case(name: str) -> Path:
+    script, nproc, args = CASES[name]
+    out = cache_root() / name
+    if (out / "DONE").exists():
+        return out
+    tmp = out.with_name(name + ".building")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torchrun(ENGINES / script, nproc, [tmp, *args], log=tmp.parent / f"{name}.log")
+    (tmp / "DONE").write_text("ok\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def engine_ckpt():
+    """``engine_ckpt(name) -> Path`` of a cached engine run (see ``CASES``)."""
+    return build_case
+
+
+def pytest_report_header(config):
+    return f"engine checkpoint cache: {cache_root()}"
+
+# The engine scripts' shared module (tiny configs, the probe input) is importable by tests too.
+sys.path.insert(0, str(ENGINES))
+sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -1,0 +1,32 @@
+"""Small helpers shared by the tests (no engine imports)."""
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def hf_ckpt(*args, env=None, timeout=300):
+    """Run the CLI in a fresh process; return CompletedProcess (text)."""
+    return subprocess.run([sys.executable, "-m", "hf_ckpt_integrations", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
+
+
+def tree_digest(path) -> str:
+    """Hash of every file's relative path, mode and bytes under ``path`` (the source-unchanged check)."""
+    h = hashlib.sha256()
+    for p in sorted(Path(path).rglob("*")):
+        h.update(str(p.relative_to(path)).encode())
+        if p.is_file():
+            h.update(str(p.stat().st_mode).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def load_safetensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
