@@ -30,7 +30,7 @@ from .errors import DestinationError
 from .plan import ExportPlan, dtype_from_name
 from .safe_load import DTYPE_SIZES, MappedFiles
 
-__all__ = ["OutTensor", "split_shards", "write_shard", "write_index", "copy_config_files", "Staging",
+__all__ = ["OutTensor", "split_shards", "shard_order", "write_shard", "write_index", "copy_config_files", "Staging",
            "write_plan", "MAX_SHARD_SIZE", "SAFETENSORS_FILENAME_PATTERN", "INDEX_NAME", "TMP_MARKER",
            "CONFIG_FILES"]
 
@@ -81,13 +81,22 @@ def _header(tensors: Sequence[OutTensor]) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
+def shard_order(tensors: Sequence[OutTensor]) -> List[OutTensor]:
+    """The order :func:`write_shard` writes (and so calls ``chunks()`` of) ``tensors`` in.
+
+    Collective sources (a live ZeRO-3 gather) need every rank to walk the same tensors in the same
+    order, including the ranks that do not write: they iterate this list and drop the bytes.
+    """
+    return sorted(tensors, key=lambda t: (-DTYPE_SIZES[t.dtype], t.name))
+
+
 def write_shard(path, tensors: Sequence[OutTensor], progress=None) -> int:
     """Write one safetensors file, streaming each tensor's chunks; return the tensor bytes written.
 
     Tensors are ordered largest dtype first, then by name (what safetensors itself does, keeping
     every tensor aligned). The file is fsynced before returning.
     """
-    tensors = sorted(tensors, key=lambda t: (-DTYPE_SIZES[t.dtype], t.name))
+    tensors = shard_order(tensors)
     total = 0
     with open(path, "wb") as fh:
         fh.write(_header(tensors))
