@@ -1,0 +1,53 @@
+"""Launcher for the rank-parallel export until the CLI takes it (``torchrun ... parallel_export.py SRC DST``).
+
+Same options as ``hf-ckpt export``. ``--fsize-limit-on-rank R:BYTES`` (test support) sets
+``RLIMIT_FSIZE`` on rank R before exporting, so that rank's writes fail with a real ``EFBIG``
+from the kernel, as on a full disk or an exceeded quota.
+
+Kept out of ``tests/engines/``: that directory's contents key the engine checkpoint cache.
+"""
+import argparse
+import os
+import resource
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from hf_ckpt_integrations.errors import CheckpointError  # noqa: E402
+from hf_ckpt_integrations.parallel import write_plan_parallel  # noqa: E402
+from hf_ckpt_integrations.sources import build_plan  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--tag")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--config")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--fsize-limit-on-rank", help="R:BYTES")
+    args = p.parse_args()
+    if args.fsize_limit_on_rank:
+        r, limit = map(int, args.fsize_limit_on_rank.split(":"))
+        if int(os.environ["RANK"]) == r:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write() instead of being killed
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    try:
+        plan = build_plan(args.src, tag=args.tag, dtype=args.dtype, config=args.config)
+        report = write_plan_parallel(plan, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                                     overwrite=args.overwrite, quiet=True)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if report["world_size"] and int(os.environ.get("RANK", "0")) == 0:
+        print(f"wrote {report['destination']}: {report['shards']} shard(s) by {report['world_size']} ranks "
+              f"{report['shards_by_rank']}, {report['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
