@@ -17,5 +17,25 @@ __all__ = [
     "UnsafeCheckpointError",
     "LayoutError",
     "DestinationError",
+    "ConsolidatedCheckpointCallback",
+    "install_accelerate_hooks",
+    "lean_state_dict",
     "__version__",
 ]
+
+# Save-time integrations load on first use (they import transformers / accelerate / torch).
+_LAZY = {
+    "ConsolidatedCheckpointCallback": ".integrations.trainer",
+    "install_accelerate_hooks": ".integrations.accelerate",
+    "lean_state_dict": ".lean",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,6 +31,14 @@ CASES = {
     **{f"z{s}-frozen": ("ds_train.py", 2, ["--stage", str(s), "--variant", "frozen"]) for s in (1, 2, 3)},
     **{f"z{s}-tied": ("ds_train.py", 2, ["--stage", str(s), "--variant", "tied"]) for s in (2, 3)},
     "trainer-z3": ("trainer_train.py", 2, ["--stage", "3"]),
+    # ConsolidatedCheckpointCallback (tests/test_trainer_callback.py); "-resume" resumes from "cb-z3".
+    "cb-z3": ("trainer_callback_run.py", 2, ["--stage", "3", "--save-total-limit", "2", "--max-shard-size", "300KB",
+                                             "--final", "--fail-test"]),
+    "cb-z3-resume": ("trainer_callback_run.py", 2, ["--stage", "3", "--max-shard-size", "300KB",
+                                                    "--resume-from", "cb-z3/run/checkpoint-4"]),
+    # (Trainer refuses bf16=True on a CPU-only machine, so these train in fp32.)
+    "cb-z2-last": ("trainer_callback_run.py", 2, ["--stage", "2", "--cb-dtype", "bf16", "--checkpoints", "last"]),
+    "cb-z3-gather": ("trainer_callback_run.py", 2, ["--stage", "3", "--gather-on-save", "--final"]),
 }
 
 

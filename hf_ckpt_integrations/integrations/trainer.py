@@ -1,0 +1,127 @@
+"""``ConsolidatedCheckpointCallback``: every Trainer ``checkpoint-N/`` also holds loadable HF weights.
+
+When ``on_save`` fires, the Trainer has already written ``checkpoint-N/`` including DeepSpeed's
+``global_stepN/`` (every rank's partition files, behind DeepSpeed's closing barrier). The callback
+builds the export plan from those files — exactly the state a resume loads — and writes the HF
+shards with the writer's building blocks, spread over the ranks (see :mod:`._dist`). Nothing is
+gathered in memory: each rank streams byte ranges of the partition files.
+
+Decisions (documented in ``docs/integrations/trainer.md``):
+
+- **dtype**: default is the training dtype of the module weights (``model`` parameter dtype at save
+  time), what ``save_pretrained`` would have written; ``dtype="fp32"`` writes the fp32 masters.
+- **Weights the Trainer already wrote** (ZeRO-1/2, or ZeRO-3 with
+  ``stage3_gather_16bit_weights_on_model_save``): kept when they already have the target dtype
+  (same bytes, no second write), replaced as a whole otherwise (``existing="replace"`` always
+  replaces).
+- **Final model**: ``trainer.save_model()`` is not a callback event. Use :func:`save_model`
+  (or ``callback.save_model(trainer)``) instead of ``trainer.save_model()``; with
+  ``checkpoints="last"`` only the last checkpoint of the run is consolidated, at ``on_train_end``.
+"""
+
+import logging
+import os
+from typing import Optional
+
+from transformers import TrainerCallback
+
+from ..plan import dtype_from_name
+from ..writer import MAX_SHARD_SIZE
+from ._dist import barrier, consolidate_checkpoint, existing_weights
+
+__all__ = ["ConsolidatedCheckpointCallback", "consolidate_checkpoint", "save_model", "training_dtype"]
+
+logger = logging.getLogger(__name__)
+
+_TORCH_TO_NAME = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+def training_dtype(model) -> Optional[str]:
+    """``"fp32"``/``"bf16"``/``"fp16"``: the dtype of ``model``'s floating parameters (ZeRO-3 keeps
+    it on the partitioned parameters too); ``None`` when mixed or unknown."""
+    if model is None:
+        return None
+    seen = {str(p.dtype) for p in model.parameters() if p.is_floating_point()}
+    return _TORCH_TO_NAME.get(seen.pop()) if len(seen) == 1 else None
+
+
+def _has_engine_checkpoint(directory) -> bool:
+    return os.path.isfile(os.path.join(directory, "latest")) or any(
+        n.startswith("global_step") for n in os.listdir(directory))
+
+
+def save_model(trainer, output_dir: Optional[str] = None, *, dtype: Optional[str] = None,
+               max_shard_size=MAX_SHARD_SIZE, existing: str = "auto") -> dict:
+    """``trainer.save_model(output_dir)``, then make ``output_dir`` loadable with ``from_pretrained``.
+
+    Call it on every rank where you would call ``trainer.save_model()``. Under ZeRO-3 without
+    ``stage3_gather_16bit_weights_on_model_save`` the Trainer writes a DeepSpeed checkpoint there
+    and no weights; this writes them from it. Otherwise the Trainer's own weights are kept (or
+    replaced when ``dtype`` asks for another dtype and a DeepSpeed checkpoint is there).
+    ``dtype`` defaults to the training dtype.
+    """
+    output_dir = output_dir if output_dir is not None else trainer.args.output_dir
+    trainer.save_model(output_dir)
+    barrier()
+    if not _has_engine_checkpoint(output_dir):
+        return {"action": "kept", "files": existing_weights(output_dir)}
+    return consolidate_checkpoint(output_dir, dtype=dtype or training_dtype(trainer.model),
+                                  max_shard_size=max_shard_size, existing=existing)
+
+
+class ConsolidatedCheckpointCallback(TrainerCallback):
+    """Make every ``checkpoint-N/`` the Trainer saves loadable with ``from_pretrained``.
+
+    ``Trainer(..., callbacks=[ConsolidatedCheckpointCallback()])``. Options (keyword-only):
+
+    - ``dtype``: ``None`` = the training dtype of the module weights; ``"fp32"`` = the fp32 masters;
+      ``"bf16"``/``"fp16"``.
+    - ``max_shard_size``: as ``save_pretrained`` (default ``"5GB"``).
+    - ``checkpoints``: ``"every"`` (each save, in ``on_save``) or ``"last"`` (only the run's last
+      checkpoint, in ``on_train_end``).
+    - ``existing``: ``"auto"`` (keep the Trainer's weights when they have the target dtype) or
+      ``"replace"``.
+
+    Every rank runs the callback (the Trainer calls callbacks on all ranks); the write is collective.
+    A failure on any rank raises :class:`~._dist.SaveError` on every rank.
+    """
+
+    def __init__(self, *, dtype: Optional[str] = None, max_shard_size=MAX_SHARD_SIZE, checkpoints: str = "every",
+                 existing: str = "auto"):
+        if checkpoints not in ("every", "last"):
+            raise ValueError(f"checkpoints={checkpoints!r}; use 'every' or 'last'")
+        dtype_from_name(dtype)  # validate early
+        self.dtype = dtype
+        self.max_shard_size = max_shard_size
+        self.checkpoints = checkpoints
+        self.existing = existing
+        self.last_checkpoint: Optional[str] = None
+        self.reports = {}
+
+    def _consolidate(self, directory, model):
+        dtype = self.dtype or training_dtype(model)
+        report = consolidate_checkpoint(directory, dtype=dtype, max_shard_size=self.max_shard_size,
+                                        existing=self.existing)
+        self.reports[directory] = report
+        logger.info("hf_ckpt_integrations: %s HF weights in %s", report["action"], directory)
+        return report
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        # Same path _save_checkpoint used (no hyperparameter search: run_dir == output_dir).
+        directory = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        self.last_checkpoint = directory
+        if self.checkpoints == "every":
+            self._consolidate(directory, model)
+        return control
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if self.checkpoints == "last" and self.last_checkpoint and os.path.isdir(self.last_checkpoint):
+            self._consolidate(self.last_checkpoint, model)
+        return control
+
+    def save_model(self, trainer, output_dir: Optional[str] = None) -> dict:
+        """:func:`save_model` with this callback's options."""
+        return save_model(trainer, output_dir, dtype=self.dtype, max_shard_size=self.max_shard_size,
+                          existing=self.existing)
