@@ -10,28 +10,30 @@ from .writer import MAX_SHARD_SIZE, write_plan
 __all__ = ["inspect_checkpoint", "export_checkpoint", "verify_checkpoint"]
 
 
-def inspect_checkpoint(src, *, tag: Optional[str] = None, config: Optional[str] = None) -> dict:
+def inspect_checkpoint(src, *, tag: Optional[str] = None, config: Optional[str] = None, tp_rules=None) -> dict:
     """Describe a checkpoint (engine, stage, world layout, dtypes, tensors, problems found).
 
     Reads metadata only. Raises :class:`~hf_ckpt_integrations.errors.CheckpointError` for a
     checkpoint that cannot be exported.
     """
-    return build_plan(src, tag=tag, config=config).summary()
+    return build_plan(src, tag=tag, config=config, tp_rules=tp_rules).summary()
 
 
 def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[str] = None,
                       max_shard_size=MAX_SHARD_SIZE, config: Optional[str] = None, overwrite: bool = False,
-                      quiet: bool = True) -> dict:
+                      quiet: bool = True, tp_rules=None) -> dict:
     """Export ``src`` (DeepSpeed save dir, tag dir or Trainer ``checkpoint-N``) to an HF directory ``dst``.
 
     ``dtype``: ``"fp32"`` (default when the checkpoint has fp32 masters), ``"bf16"`` or ``"fp16"``.
-    Returns the writer's report. Nothing is written when the checkpoint is refused.
+    ``tp_rules``: ``["PATTERN=0|1|replicated", ...]`` for model-parallel parameters nothing else
+    describes. Returns the writer's report. Nothing is written when the checkpoint is refused.
     """
-    plan = build_plan(src, tag=tag, dtype=dtype, config=config)
+    plan = build_plan(src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules)
     return write_plan(plan, dst, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, quiet=quiet)
 
 
-def verify_checkpoint(dst, against, *, tag: Optional[str] = None) -> VerifyReport:
+def verify_checkpoint(dst, against, *, tag: Optional[str] = None, config: Optional[str] = None,
+                      tp_rules=None) -> VerifyReport:
     """Compare every tensor of the HF directory ``dst`` with the source ``against``, bitwise."""
-    plan = build_plan(against, tag=tag)
+    plan = build_plan(against, tag=tag, config=config, tp_rules=tp_rules)
     return verify_plan(plan, dst)

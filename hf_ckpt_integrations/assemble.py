@@ -11,7 +11,7 @@ from .errors import LayoutError
 from .plan import TensorPlan
 from .safe_load import DTYPE_SIZES, MappedFiles
 
-__all__ = ["out_dtype_for", "iter_bytes", "to_torch", "FLOAT_DTYPES"]
+__all__ = ["out_dtype_for", "iter_bytes", "to_torch", "check_replicas", "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 _TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
@@ -47,12 +47,13 @@ def to_torch(t: TensorPlan, files: MappedFiles):
     with warnings.catch_warnings():
         # frombuffer on a read-only mmap warns; the tensor is never written to.
         warnings.simplefilter("ignore", UserWarning)
+        shapes = t.part_shapes or [t.shape]
         if len(t.parts) == 1:
-            out = _flat(t.parts[0], files).view(t.part_shape or t.shape)
+            out = _flat(t.parts[0], files).view(shapes[0])
         else:
             import torch
 
-            out = torch.cat([_flat(p, files).view(t.part_shape) for p in t.parts], dim=t.cat_dim)
+            out = torch.cat([_flat(p, files).view(s) for p, s in zip(t.parts, shapes)], dim=t.cat_dim)
         if t.keep_rows is not None:
             out = out[: t.keep_rows]
     if tuple(out.shape) != tuple(t.shape):
@@ -60,8 +61,29 @@ def to_torch(t: TensorPlan, files: MappedFiles):
     return out
 
 
+def _read_all(pieces, files: MappedFiles) -> bytes:
+    return b"".join(files.read(p.path, p.offset, p.numel * DTYPE_SIZES[p.dtype]) for p in pieces)
+
+
+def check_replicas(t: TensorPlan, files: MappedFiles) -> None:
+    """Raise :class:`LayoutError` naming the file whose copy of ``t`` differs from the first copy."""
+    if not t.replicas:
+        return
+    primary = _read_all(t.parts[0], files)
+    for replica in t.replicas:
+        if _read_all(replica, files) != primary:
+            raise LayoutError(
+                f"{replica[0].path}: its copy of {t.name} differs from the copy in {t.parts[0][0].path}; "
+                "the model-parallel ranks were meant to be replicas. Export is refused: check which rank "
+                "diverged (use --tag for an earlier save), or treat the axis as tensor parallel with --tp-rule")
+
+
 def iter_bytes(t: TensorPlan, out_dtype: str, files: MappedFiles) -> Iterator[memoryview]:
-    """Yield the output bytes of ``t`` in ``out_dtype``, in order, a chunk at a time."""
+    """Yield the output bytes of ``t`` in ``out_dtype``, in order, a chunk at a time.
+
+    Replicas are compared with the first copy before anything is yielded.
+    """
+    check_replicas(t, files)
     if t.is_byte_copy and all(p.dtype == out_dtype for p in t.parts[0]):
         for p in t.parts[0]:
             yield files.read(p.path, p.offset, p.numel * DTYPE_SIZES[p.dtype])

@@ -26,21 +26,39 @@ def inspect_command_parser(subparsers=None):
     p.add_argument("src", help="DeepSpeed save dir, tag dir, or Trainer checkpoint-N dir")
     p.add_argument("--tag", help="tag to read (default: the one named by 'latest')")
     p.add_argument("--config", help="directory holding config.json (default: next to the checkpoint)")
+    _tp_rule_arg(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=inspect_command)
     return p
 
 
+def _tp_rule_arg(p):
+    p.add_argument("--tp-rule", action="append", default=[], metavar="PATTERN=0|1|replicated",
+                   help="how to merge model-parallel slices of parameters matching PATTERN (fnmatch) that "
+                        "neither the checkpoint nor the HF config describes; repeatable")
+
+
 def inspect_command(args) -> int:
     from .api import inspect_checkpoint
 
-    info = inspect_checkpoint(args.src, tag=args.tag, config=args.config)
+    info = inspect_checkpoint(args.src, tag=args.tag, config=args.config, tp_rules=args.tp_rule)
     if args.json:
         print(json.dumps(info, indent=2))
         return EXIT_OK
     print(f"engine      {info['engine']} (ZeRO stage {info['zero_stage']})")
     print(f"tag         {info['tag']}   source {info['source']}")
     print(f"world       dp={info['dp_size']} mp={info['mp_size']} (mp axis: {info['mp_axis']})")
+    if info["mp_axis_reason"]:
+        print(f"            {info['mp_axis_reason']}")
+    merged = [t for t in info["tensors"] if t["rule"]]
+    if merged:
+        by_rule = {}
+        for t in merged:
+            by_rule.setdefault(t["rule"], []).append(t["name"])
+        for rule, names in by_rule.items():
+            print(f"merge       {len(names):3d} tensor(s) by {rule}")
+    for name, (before, after) in info["padding_removed"].items():
+        print(f"padding     {name}: {before} -> {after} rows")
     print(f"dtypes      " + ", ".join(f"{k}={v}" for k, v in info["dtypes"].items()))
     print(f"tensors     {info['tensor_count']} ({', '.join(f'{v} {k}' for k, v in info['tensors_by_kind'].items())}), "
           f"{info['parameters']:,} parameters, {info['bytes_fp32']:,} bytes in fp32")
@@ -62,6 +80,7 @@ def export_command_parser(subparsers=None):
     p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB or 500MB (default 5GB)")
     p.add_argument("--config", help="directory holding config.json/tokenizer files to copy "
                    "(default: next to the checkpoint)")
+    _tp_rule_arg(p)
     p.add_argument("--overwrite", action="store_true", help="replace dst if it exists (atomically)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     p.set_defaults(func=export_command)
@@ -72,7 +91,7 @@ def export_command(args) -> int:
     from .sources import build_plan
     from .writer import write_plan
 
-    plan = build_plan(args.src, tag=args.tag, dtype=args.dtype, config=args.config)
+    plan = build_plan(args.src, tag=args.tag, dtype=args.dtype, config=args.config, tp_rules=args.tp_rule)
     report = write_plan(plan, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size,
                         overwrite=args.overwrite, quiet=args.quiet)
     for note in plan.notes:
@@ -89,6 +108,8 @@ def verify_command_parser(subparsers=None):
     p.add_argument("dst", help="the exported HuggingFace directory")
     p.add_argument("--against", required=True, help="the source checkpoint it was exported from")
     p.add_argument("--tag", help="tag of the source (default: the one named by 'latest')")
+    p.add_argument("--config", help="directory holding config.json (default: next to the source)")
+    _tp_rule_arg(p)
     p.set_defaults(func=verify_command)
     return p
 
@@ -96,7 +117,7 @@ def verify_command_parser(subparsers=None):
 def verify_command(args) -> int:
     from .api import verify_checkpoint
 
-    report = verify_checkpoint(args.dst, args.against, tag=args.tag)
+    report = verify_checkpoint(args.dst, args.against, tag=args.tag, config=args.config, tp_rules=args.tp_rule)
     if report.ok:
         print(f"ok: {report.checked} tensors bitwise equal to {args.against}")
         return EXIT_OK

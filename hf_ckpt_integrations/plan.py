@@ -43,9 +43,10 @@ class TensorPlan:
     """One output tensor.
 
     ``parts`` holds one list of pieces per tensor-parallel slice; a plain (unsplit) tensor has
-    exactly one part. Slices are concatenated along ``cat_dim`` (each slice has ``part_shape``),
-    then only the first ``keep_rows`` rows are kept (vocabulary padding), giving ``shape``.
-    ``replicas`` are further copies of the same tensor that must be equal to ``parts``.
+    exactly one part. Slice ``i`` has shape ``part_shapes[i]``; slices are concatenated along
+    ``cat_dim``, then only the first ``keep_rows`` rows are kept (vocabulary padding), giving
+    ``shape``. ``replicas`` are further copies of the single part (flat pieces each) that must
+    be byte-for-byte equal to it; they are checked, never written.
     """
 
     name: str
@@ -54,10 +55,10 @@ class TensorPlan:
     parts: List[List[Piece]]
     kind: str = "master"  # master | module | frozen | buffer
     cat_dim: Optional[int] = None
-    part_shape: Optional[Tuple[int, ...]] = None
+    part_shapes: Optional[List[Tuple[int, ...]]] = None
     keep_rows: Optional[int] = None
     rule: Optional[str] = None  # where a TP merge rule came from
-    replicas: List[List[List[Piece]]] = field(default_factory=list)
+    replicas: List[List[Piece]] = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -89,7 +90,8 @@ class ExportPlan:
     config_dir: Optional[str] = None
     files: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
-    padding_removed: Dict[str, Tuple[int, int]] = field(default_factory=dict)
+    padding_removed: Dict[str, Tuple[int, int]] = field(default_factory=dict)  # name -> (rows before, after)
+    mp_axis_reason: Optional[str] = None
 
     def tensor_bytes(self, out_dtype: Optional[str] = None) -> int:
         from .safe_load import DTYPE_SIZES
@@ -109,6 +111,7 @@ class ExportPlan:
             "dp_size": self.dp_size,
             "mp_size": self.mp_size,
             "mp_axis": self.mp_axis,
+            "mp_axis_reason": self.mp_axis_reason,
             "dtypes": self.dtypes,
             "tensor_count": len(self.tensors),
             "tensors_by_kind": by_kind,

@@ -18,4 +18,4 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
                               "tag dir or Trainer checkpoint-N dir)")
     from . import deepspeed
 
-    return deepspeed.build_plan(src, tag=tag, dtype=dtype, config=config)
+    return deepspeed.build_plan(src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules)

@@ -16,6 +16,7 @@ from .. import safe_load
 from ..errors import CheckpointError, LayoutError
 from ..plan import ExportPlan, Piece, TensorPlan, dtype_from_name
 from . import layout
+from .tp_rules import Rule, concat_shape, hf_plans_for, parse_user_rule, rule_from_hf_plan, rule_from_universal_info, rule_from_user
 
 __all__ = ["build_plan", "resolve_tag_dir", "find_config_dir"]
 
@@ -107,9 +108,17 @@ class _Rank:
 
 
 def build_plan(src: str, *, tag: Optional[str] = None, dtype: Optional[str] = None,
-               config: Optional[str] = None) -> ExportPlan:
-    """Plan the export of a DeepSpeed ZeRO checkpoint (see the module docstring)."""
+               config: Optional[str] = None, tp_rules=None) -> ExportPlan:
+    """Plan the export of a DeepSpeed ZeRO checkpoint (see the module docstring).
+
+    ``tp_rules``: ``["PATTERN=0|1|replicated", ...]`` for model-parallel parameters that neither
+    the checkpoint nor the HF config describes (see :mod:`.tp_rules`).
+    """
     out_dtype = dtype_from_name(dtype)
+    try:
+        user_rules = [parse_user_rule(r) for r in (tp_rules or [])]
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     src = os.path.abspath(src)
     tag_dir, tag = resolve_tag_dir(src, tag)
     names = sorted(os.listdir(tag_dir))
@@ -140,25 +149,130 @@ def build_plan(src: str, *, tag: Optional[str] = None, dtype: Optional[str] = No
         raise LayoutError(f"{tag_dir}: model-parallel ranks {mp_ranks} of optimizer files and "
                           f"{sorted(models)} of model files do not match 0..N-1; a rank file is missing: "
                           "copy the whole tag directory again")
-    if len(mp_ranks) > 1:
-        raise LayoutError(f"{tag_dir}: model-parallel checkpoint (mp_size={len(mp_ranks)}); merging "
-                          "model-parallel ranks is not supported by this version")
-    per_mp = [_plan_mp_rank(tag_dir, mp, optim[mp], models[mp], out_dtype) for mp in mp_ranks]
-    plan = per_mp[0]
-    plan.source = src
-    plan.tag = tag
-    plan.mp_size = len(mp_ranks)
-    plan.config_dir = config if config is not None else find_config_dir(
-        [tag_dir, src, os.path.dirname(src)])
     if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
         raise CheckpointError(f"{config}: no config.json there; pass --config a directory holding the "
                               "model's config.json (e.g. from model.config.save_pretrained(dir))")
+    config_dir = config if config is not None else find_config_dir([tag_dir, src, os.path.dirname(src)])
+    per_mp = [_plan_mp_rank(tag_dir, mp, optim[mp], models[mp], out_dtype) for mp in mp_ranks]
+    if len(per_mp) == 1:
+        plan = per_mp[0][0]
+    else:
+        plan = _merge_model_parallel(tag_dir, per_mp, config_dir, user_rules)
+    plan.source = src
+    plan.tag = tag
+    plan.mp_size = len(mp_ranks)
+    plan.config_dir = config_dir
     if plan.config_dir is None:
         plan.notes.append("no config.json found next to the checkpoint: pass --config DIR, or the "
                           "exported directory will not load with from_pretrained")
     else:
         _drop_tied_aliases(plan)
     return plan
+
+
+def _merge_model_parallel(tag_dir, per_mp, config_dir, user_rules) -> ExportPlan:
+    """Merge the plans of several model-parallel ranks: a replica axis (seed 000: every rank a full
+    copy, one used and the others checked) or tensor parallelism (slices merged by rules)."""
+    plans = [p for p, _ in per_mp]
+    info = per_mp[0][1]
+    names = [t.name for t in plans[0].tensors]
+    for mp, p in enumerate(plans[1:], 1):
+        if [t.name for t in p.tensors] != names:
+            raise LayoutError(f"{tag_dir}: model-parallel rank {mp} holds other parameters than rank 0 "
+                              f"({sorted(set(t.name for t in p.tensors) ^ set(names))[:3]}...); files from "
+                              "different saves are mixed: copy one save's tag directory again")
+    slices = {n: [p.tensors[i] for p in plans] for i, n in enumerate(names)}
+    hf = hf_plans_for(config_dir) if config_dir else None
+    hf_plans, full, embeddings = hf if hf else ({}, {}, [])
+    mp = len(plans)
+
+    def replicated(t_slices, rule):
+        first = t_slices[0]
+        if any(s.shape != first.shape for s in t_slices):
+            raise LayoutError(f"{first.name}: rule '{rule.source}' says replicated but the {mp} model-parallel "
+                              f"ranks hold shapes {[list(s.shape) for s in t_slices]}; pass --tp-rule to fix")
+        return TensorPlan(first.name, first.shape, first.src_dtype, first.parts, kind=first.kind, rule=rule.source,
+                          replicas=[s.parts[0] for s in t_slices[1:]])
+
+    if info is None and full and all(s.shape == full.get(n) for n, ss in slices.items() for s in ss):
+        axis, reason = "replica", ("every model-parallel rank records every parameter at its full shape "
+                                   "(from config.json): the axis holds replicas, e.g. sequence parallelism")
+        rules = {n: Rule(None, "replica axis") for n in names}
+    elif info is None and not full and _all_identical(slices):
+        axis, reason = "replica", "every model-parallel rank holds byte-identical tensors: the axis holds replicas"
+        rules = {n: Rule(None, "replica axis") for n in names}
+    else:
+        axis = "tp"
+        reason = ("universal_checkpoint_info recorded in the checkpoint" if info is not None else
+                  "model-parallel ranks hold slices smaller than the full shapes")
+        rules = {n: _resolve_rule(n, ss, info, hf_plans, embeddings, user_rules, full) for n, ss in slices.items()}
+
+    merged = []
+    padding = {}
+    for n in names:
+        rule, ss = rules[n], slices[n]
+        if rule.replicated:
+            merged.append(replicated(ss, rule))
+            continue
+        shapes = [s.shape for s in ss]
+        try:
+            shape = concat_shape(shapes, rule.dim)
+        except ValueError as e:
+            raise LayoutError(f"{n}: {e} (rule from {rule.source}); pass --tp-rule '{n}=0|1|replicated'") from None
+        keep = None
+        if rule.keep_rows is not None and shape[0] > rule.keep_rows:
+            keep = rule.keep_rows
+            padding[n] = (shape[0], keep)
+            shape = (keep,) + shape[1:]
+        if n in full and full[n] != shape:
+            raise LayoutError(f"{n}: merging {mp} slices {[list(s) for s in shapes]} by '{rule.source}' gives "
+                              f"{list(shape)}, but config.json's model has {list(full[n])}; pass --tp-rule "
+                              f"'{n}=0|1|replicated' with the right split")
+        merged.append(TensorPlan(n, shape, ss[0].src_dtype, [s.parts[0] for s in ss], kind=ss[0].kind,
+                                 cat_dim=rule.dim, part_shapes=shapes, keep_rows=keep, rule=rule.source))
+    plan = plans[0]
+    plan.tensors = merged
+    plan.mp_axis, plan.mp_axis_reason = axis, reason
+    plan.padding_removed = padding
+    plan.files = sorted({f for p in plans for f in p.files})
+    return plan
+
+
+def _all_identical(slices) -> bool:
+    from ..assemble import check_replicas
+    from ..safe_load import MappedFiles
+
+    with MappedFiles() as files:
+        for n, ss in slices.items():
+            if any(s.shape != ss[0].shape for s in ss):
+                return False
+            try:
+                check_replicas(TensorPlan(n, ss[0].shape, ss[0].src_dtype, ss[0].parts,
+                                          replicas=[s.parts[0] for s in ss[1:]]), files)
+            except LayoutError:
+                return False
+    return True
+
+
+def _resolve_rule(name, ss, info, hf_plans, embeddings, user_rules, full) -> Rule:
+    rule = rule_from_universal_info(name, info) if info is not None else None
+    rule = rule or (rule_from_hf_plan(name, hf_plans, embeddings) if hf_plans else None)
+    rule = rule or rule_from_user(name, user_rules)
+    if rule is None and name in full and all(s.shape == full[name] for s in ss):
+        rule = Rule(None, "each slice has the full shape from config.json")
+    if rule is None and _all_identical({name: ss}):
+        rule = Rule(None, "slices are byte-identical")
+    if rule is None:
+        hint = ""
+        if name in full:
+            dims = [d for d in range(len(full[name])) if len(ss[0].shape) == len(full[name]) and
+                    sum(s.shape[d] for s in ss) == full[name][d]]
+            if len(dims) == 1:
+                hint = f" (config.json's full shape {list(full[name])} suggests dim {dims[0]})"
+        raise LayoutError(f"{name}: its {len(ss)} model-parallel slices {[list(s.shape) for s in ss]} differ and no "
+                          "rule covers it (no universal_checkpoint_info, not in the HF tp plan); pass "
+                          f"--tp-rule '{name}=0' (split rows), '=1' (split columns) or '=replicated'{hint}")
+    return rule
 
 
 def _shape(value, path, name):
@@ -262,7 +376,7 @@ def _plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, _Rank], model_files, out_dt
                       dtypes=dtypes, files=files)
     if ranks[0].prefix:
         plan.notes.append(f"optimizer files carry the {ranks[0].prefix}_ prefix (mixed-precision training)")
-    return plan
+    return plan, model.get("universal_checkpoint_info")
 
 
 def _plan_zero12(ranks, param_groups, model_path, tensors):
