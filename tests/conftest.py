@@ -39,6 +39,19 @@ CASES = {
     # (Trainer refuses bf16=True on a CPU-only machine, so these train in fp32.)
     "cb-z2-last": ("trainer_callback_run.py", 2, ["--stage", "2", "--cb-dtype", "bf16", "--checkpoints", "last"]),
     "cb-z3-gather": ("trainer_callback_run.py", 2, ["--stage", "3", "--gather-on-save", "--final"]),
+    # install_accelerate_hooks (tests/test_accelerate_hooks.py)
+    "acc-z1-bf16": ("accelerate_save.py", 2, ["--stage", "1", "--bf16"]),
+    "acc-z3": ("accelerate_save.py", 2, ["--stage", "3"]),
+    # Seed 000: an mpu whose model-parallel axis holds replicas (sequence parallel).
+    "replica-z2": ("ds_parallel_train.py", 2, ["--mode", "replica", "--stage", "2"]),
+    "replica-z3": ("ds_parallel_train.py", 2, ["--mode", "replica", "--stage", "3"]),
+    "replica-z2-dp2": ("ds_parallel_train.py", 4, ["--mode", "replica", "--stage", "2"]),
+    # DeepSpeed AutoTP records universal_checkpoint_info (vocab 1001 split 501 + 500).
+    "autotp-z1": ("ds_parallel_train.py", 2, ["--mode", "autotp", "--stage", "1"]),
+    "autotp-z2": ("ds_parallel_train.py", 2, ["--mode", "autotp", "--stage", "2"]),
+    # Seed 004: many data-parallel ranks; lexicographic file order differs from rank order.
+    "z2-dp12": ("ds_train.py", 12, ["--stage", "2"]),
+    "z3-dp12": ("ds_train.py", 12, ["--stage", "3"]),
 }
 
 
