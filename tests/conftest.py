@@ -42,6 +42,9 @@ CASES = {
     # install_accelerate_hooks (tests/test_accelerate_hooks.py)
     "acc-z1-bf16": ("accelerate_save.py", 2, ["--stage", "1", "--bf16"]),
     "acc-z3": ("accelerate_save.py", 2, ["--stage", "3"]),
+    # install_accelerate_hooks (tests/test_accelerate_hooks.py)
+    "acc-z1-bf16": ("accelerate_save.py", 2, ["--stage", "1", "--bf16"]),
+    "acc-z3": ("accelerate_save.py", 2, ["--stage", "3"]),
     # Seed 000: an mpu whose model-parallel axis holds replicas (sequence parallel).
     "replica-z2": ("ds_parallel_train.py", 2, ["--mode", "replica", "--stage", "2"]),
     "replica-z3": ("ds_parallel_train.py", 2, ["--mode", "replica", "--stage", "3"]),

@@ -1,0 +1,144 @@
+"""``install_accelerate_hooks(accelerator)``: ``accelerator.save_model`` writes a complete, lean HF directory.
+
+After the call, ``accelerator.save_model(model, dir, max_shard_size=..., safe_serialization=...)``
+keeps its signature and meaning, but (for DeepSpeed ZeRO-1/2/3, DDP and single-process models):
+
+- weights come from :mod:`..sources.live`: under ZeRO-3 one parameter is gathered at a time and
+  streamed into its shard (works with ``stage3_gather_16bit_weights_on_model_save`` false, where
+  Accelerate raises ``ValueError``); under ZeRO-1/2 each parameter's own bytes are read in place
+  (no ``clone_tensors_for_torch_save`` of the whole state dict);
+- shards are spread over the ranks (shard ``i`` by rank ``i % world_size`` from
+  ``torch.distributed``), staged, and moved into place only when every rank succeeded;
+- ``safe_serialization=False`` writes ``pytorch_model*.bin`` whose tensors own exactly their
+  bytes (one shard in memory at a time), so no flat-buffer bloat (seed 002);
+- ``config.json`` (and ``generation_config.json``) is written when the model has a ``config``.
+
+Every rank must call ``save_model`` (as Accelerate already requires under DeepSpeed).
+
+With ``save_state_weights=True`` a save-state pre-hook also makes each ``accelerator.save_state(dir)``
+directory loadable with ``from_pretrained(dir)``: under DeepSpeed the HF weights are written from
+the ZeRO checkpoint ``save_state`` has just written (the exact state ``load_state`` restores).
+
+Not handled (the original ``save_model`` runs): FSDP, XLA, Megatron-LM, DeepSpeed AutoTP
+(``tensor_parallel.autotp_size > 1``) — see ``docs/integrations/accelerate.md``.
+"""
+
+import functools
+import logging
+import os
+from typing import Optional
+
+from ..writer import MAX_SHARD_SIZE
+from ._dist import SaveError, all_ranks_ok, consolidate_checkpoint, rank_world, write_distributed
+
+__all__ = ["install_accelerate_hooks", "save_model"]
+
+logger = logging.getLogger(__name__)
+
+_ACCELERATE_DEFAULT_SHARD = "10GB"  # accelerator.save_model's own default
+
+
+def _supported(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    dt = accelerator.distributed_type
+    if dt == DistributedType.DEEPSPEED:
+        cfg = accelerator.state.deepspeed_plugin.deepspeed_config if accelerator.state.deepspeed_plugin else {}
+        return (cfg.get("tensor_parallel", {}) or {}).get("autotp_size", 0) in (0, 1, None)
+    return dt in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
+
+def _write_config(model, directory) -> None:
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(directory)
+        gen = getattr(model, "generation_config", None)
+        if gen is not None and hasattr(gen, "save_pretrained") and getattr(model, "can_generate", lambda: False)():
+            gen.save_pretrained(directory)
+
+
+def save_model(accelerator, model, save_directory, max_shard_size=_ACCELERATE_DEFAULT_SHARD,
+               safe_serialization: bool = True, *, dtype: Optional[str] = None) -> dict:
+    """What the hooked ``accelerator.save_model`` runs. Collective: every rank calls it.
+
+    ``dtype``: ``None`` keeps the training dtype of each tensor. Returns the writer's report.
+    Raises :class:`~._dist.SaveError` on every rank when any rank failed.
+    """
+    from ..sources.live import is_zero3_module, live_tensors
+
+    if os.path.isfile(save_directory):
+        raise SaveError("accelerator.save_model", {rank_world()[0]: f"{save_directory} is a file, not a directory"})
+    module = accelerator.unwrap_model(model)
+    tensors = live_tensors(module, dtype=dtype)
+    report = write_distributed(tensors, save_directory, max_shard_size=max_shard_size,
+                               collective=is_zero3_module(module), replace_existing=True,
+                               fmt="safetensors" if safe_serialization else "bin",
+                               what=f"accelerator.save_model into {save_directory}")
+    error = None
+    if rank_world()[0] == 0:
+        try:
+            _write_config(module, save_directory)
+        except Exception as e:
+            error = e
+    all_ranks_ok(error, f"writing config.json into {save_directory}")
+    return report
+
+
+def _save_state_pre_hook(accelerator, dtype, max_shard_size):
+    def hook(models, weights, output_dir):
+        from accelerate.utils import DistributedType
+
+        if accelerator.distributed_type != DistributedType.DEEPSPEED:
+            # Accelerate writes model.safetensors itself here; make it loadable with the config.
+            if rank_world()[0] == 0 and models:
+                _write_config(accelerator.unwrap_model(models[0]), output_dir)
+            return
+        # save_state has already run model.save_checkpoint(output_dir, "pytorch_model") on all ranks.
+        module = accelerator.unwrap_model(models[0])
+        error = None
+        if rank_world()[0] == 0:
+            try:
+                _write_config(module, output_dir)
+            except Exception as e:
+                error = e
+        all_ranks_ok(error, f"writing config.json into {output_dir}")
+        consolidate_checkpoint(output_dir, tag="pytorch_model", dtype=dtype or _training_dtype(module),
+                               max_shard_size=max_shard_size,
+                               what=f"accelerator.save_state HF copy in {output_dir}")
+    return hook
+
+
+def _training_dtype(module) -> Optional[str]:
+    names = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+    seen = {str(p.dtype) for p in module.parameters() if p.is_floating_point()}
+    return names.get(seen.pop()) if len(seen) == 1 else None
+
+
+def install_accelerate_hooks(accelerator, *, dtype: Optional[str] = None, save_state_weights: bool = False,
+                             state_max_shard_size=MAX_SHARD_SIZE):
+    """Make ``accelerator.save_model`` (and, with ``save_state_weights``, ``save_state``) write lean,
+    complete HF directories. Call once, right after ``Accelerator(...)``; calling again is a no-op.
+
+    ``dtype``: ``None`` = each tensor's training dtype (what Accelerate writes); ``"fp32"``,
+    ``"bf16"``, ``"fp16"`` cast floating tensors. For the save-state copy, ``dtype="fp32"`` takes
+    the fp32 master weights from the ZeRO checkpoint. Returns ``accelerator``.
+    """
+    if getattr(accelerator, "_hf_ckpt_hooks", None):
+        return accelerator
+    original = accelerator.save_model
+
+    @functools.wraps(original)
+    def hooked_save_model(model, save_directory, max_shard_size=_ACCELERATE_DEFAULT_SHARD,
+                          safe_serialization=True):
+        if not _supported(accelerator):
+            return original(model, save_directory, max_shard_size=max_shard_size,
+                            safe_serialization=safe_serialization)
+        return save_model(accelerator, model, save_directory, max_shard_size, safe_serialization, dtype=dtype)
+
+    accelerator.save_model = hooked_save_model
+    handles = []
+    if save_state_weights:
+        handles.append(accelerator.register_save_state_pre_hook(
+            _save_state_pre_hook(accelerator, dtype, state_max_shard_size)))
+    accelerator._hf_ckpt_hooks = {"original_save_model": original, "handles": handles}
+    return accelerator

@@ -1,0 +1,107 @@
+"""A live model (plain, DDP, DeepSpeed ZeRO-1/2/3) -> :class:`~..writer.OutTensor` list.
+
+Nothing is copied up front. Each tensor's ``chunks()`` yields its own bytes when the writer asks:
+
+- ZeRO-1/2 and plain modules: the parameter (often a view into ZeRO's flat buffer, seed 002)
+  is read in place — its own bytes only, never the whole storage, never a clone of the state dict;
+- ZeRO-3: the parameter is gathered with ``deepspeed.zero.GatheredParameters`` just for the time
+  its bytes are written, then re-partitioned. The gather is a collective: every rank must walk
+  the same tensors in the same order (:func:`~..writer.shard_order` within each shard); ranks
+  that do not write a shard call ``drain()``, which gathers and drops.
+
+Names and order are the module's ``state_dict()`` (persistent buffers included); a tensor
+reached under two names (tied weights) is written once, under its first name, as
+``save_pretrained`` does.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+from ..plan import dtype_from_name
+from ..writer import OutTensor
+
+__all__ = ["LiveTensor", "live_tensors", "is_zero3_module"]
+
+_ST_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+             "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+@dataclass
+class LiveTensor(OutTensor):
+    """An :class:`OutTensor` whose ``drain()`` takes part in the collective without keeping bytes."""
+
+    drain: Optional[Callable[[], None]] = None
+
+
+def _st_dtype(torch_dtype) -> str:
+    name = str(torch_dtype).replace("torch.", "")
+    try:
+        return _ST_NAMES[name]
+    except KeyError:
+        raise ValueError(f"tensor dtype {torch_dtype} has no safetensors name; convert it before saving") from None
+
+
+def _own_bytes(t, cast):
+    """``t``'s own bytes (a view of a larger storage yields only its elements), as a memoryview."""
+    import torch
+
+    t = t.detach()
+    if cast is not None and t.is_floating_point() and t.dtype != cast:
+        t = t.to(cast)
+    t = t.contiguous()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def is_zero3_module(module) -> bool:
+    return any(hasattr(p, "ds_id") and hasattr(p, "ds_shape") for p in module.parameters())
+
+
+def live_tensors(module, *, dtype: Optional[str] = None) -> List[LiveTensor]:
+    """The tensors of ``module`` (unwrapped: the ``nn.Module``, not the DeepSpeed engine) to write.
+
+    ``dtype``: ``None`` keeps each tensor's training dtype; ``"fp32"``/``"bf16"``/``"fp16"`` casts
+    floating tensors (one tensor at a time). Every rank must call it and get the same list.
+    """
+    import torch
+
+    st_target = dtype_from_name(dtype)
+    cast = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(st_target)
+    state = module.state_dict(keep_vars=True)
+    seen = set()
+    out: List[LiveTensor] = []
+    for name, t in state.items():
+        if t is None:
+            continue
+        # Tied weights are one Parameter object under two names (ZeRO-3: one ds_id).
+        key = ("ds", t.ds_id) if hasattr(t, "ds_id") else ("id", id(t))
+        if key in seen:
+            continue  # tied: written once, under the first name
+        seen.add(key)
+        floating = t.is_floating_point()
+        out_dtype = st_target if (st_target and floating) else _st_dtype(t.dtype)
+        if hasattr(t, "ds_id") and hasattr(t, "ds_shape"):
+            out.append(_zero3_tensor(name, t, out_dtype, cast))
+        else:
+            out.append(LiveTensor(name, out_dtype, tuple(t.shape), lambda t=t: iter((_own_bytes(t, cast),))))
+    return out
+
+
+def _zero3_tensor(name, param, out_dtype, cast) -> LiveTensor:
+    def chunks():
+        import deepspeed
+
+        # modifier_rank=None: read-only gather; re-partitioned (memory freed) on exit.
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            yield _own_bytes(param.data, cast)
+
+    def drain():
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            pass
+
+    return LiveTensor(name, out_dtype, tuple(param.ds_shape), chunks, drain)

@@ -1,0 +1,93 @@
+"""install_accelerate_hooks on real Accelerate + DeepSpeed runs (2 ranks, torchrun, CPU/gloo).
+
+``accelerator.save_model`` as usual writes a complete HF directory (weights, index, config),
+bitwise equal to the engine's own weights, lean in both formats; ``save_state`` carries an HF copy.
+"""
+
+import json
+
+import pytest
+import torch
+
+from helpers import load_safetensors
+
+pytestmark = pytest.mark.engine
+
+
+def _load(directory, dtype):
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.state_dict()
+
+
+def _assert_equal(state, reference):
+    for name, want in reference.items():
+        assert state[name].dtype == want.dtype and torch.equal(state[name], want), name
+
+
+def _assert_lean_bin(directory, reference):
+    """Every tensor in every .bin shard owns exactly its bytes (seed 002: no flat-buffer storages)."""
+    seen = {}
+    for shard in sorted(directory.glob("pytorch_model*.bin")):
+        for name, t in torch.load(shard, weights_only=True, mmap=True).items():
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+            seen[name] = t
+    _assert_equal(seen, reference)
+
+
+def _metrics(case):
+    return [json.loads((case / "metrics" / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_zero3_gather_false_save_model_streams_a_complete_hf_dir(engine_ckpt):
+    """Accelerate alone raises ValueError here (stage3_gather_16bit_weights_on_model_save false)."""
+    case = engine_ckpt("acc-z3")
+    hf = case / "hf"
+    module = load_safetensors(case / "reference" / "module.safetensors")
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 3
+    assert (hf / "config.json").exists() and not list(hf.glob(".hfckpt*"))
+    _assert_equal(_load(hf, torch.float32), module)
+    tensor_bytes = sum(t.numel() * t.element_size() for t in module.values())
+    assert index["metadata"]["total_size"] == tensor_bytes
+    assert sum(p.stat().st_size for p in hf.glob("*.safetensors")) <= tensor_bytes * 1.01
+    m0, m1 = _metrics(case)
+    assert m0["written_here"] == ["model-00001-of-00003.safetensors", "model-00003-of-00003.safetensors"]
+    assert m1["written_here"] == ["model-00002-of-00003.safetensors"]
+
+
+def test_zero3_bin_format_is_lean_and_loads(engine_ckpt):
+    case = engine_ckpt("acc-z3")
+    module = load_safetensors(case / "reference" / "module.safetensors")
+    assert (case / "bin" / "pytorch_model.bin.index.json").exists()
+    _assert_lean_bin(case / "bin", module)
+    _assert_equal(_load(case / "bin", torch.float32), module)
+
+
+def test_zero3_save_state_carries_loadable_copy(engine_ckpt):
+    case = engine_ckpt("acc-z3")
+    state = case / "state"
+    assert (state / "pytorch_model").is_dir()  # DeepSpeed's own checkpoint is still there for load_state
+    _assert_equal(_load(state, torch.float32), load_safetensors(case / "reference" / "master.safetensors"))
+
+
+def test_zero1_bf16_save_model_reads_views_in_place_without_bloat(engine_ckpt):
+    case = engine_ckpt("acc-z1-bf16")
+    module = load_safetensors(case / "reference" / "module.safetensors")
+    assert {t.dtype for t in module.values()} == {torch.bfloat16}
+    _assert_equal(_load(case / "hf", torch.bfloat16), module)
+    tensor_bytes = sum(t.numel() * 2 for t in module.values())
+    assert sum(p.stat().st_size for p in (case / "hf").glob("*.safetensors")) <= tensor_bytes * 1.01
+    _assert_lean_bin(case / "bin", module)
+    # A few of the same live tensors through a plain torch.save: each view drags its whole flat
+    # buffer along (seed 002), which is what the lean checks above would catch.
+    small = _metrics(case)[0]["bloat_tensor_bytes"]
+    bloat = (case / "bloat" / "pytorch_model.bin").stat().st_size
+    assert bloat > 0.9 * tensor_bytes > 50 * small, (bloat, tensor_bytes, small)
+
+
+def test_zero1_bf16_save_state_copy_is_training_dtype(engine_ckpt):
+    case = engine_ckpt("acc-z1-bf16")
+    _assert_equal(_load(case / "state", torch.bfloat16), load_safetensors(case / "reference" / "module.safetensors"))
