@@ -42,9 +42,6 @@ CASES = {
     # install_accelerate_hooks (tests/test_accelerate_hooks.py)
     "acc-z1-bf16": ("accelerate_save.py", 2, ["--stage", "1", "--bf16"]),
     "acc-z3": ("accelerate_save.py", 2, ["--stage", "3"]),
-    # install_accelerate_hooks (tests/test_accelerate_hooks.py)
-    "acc-z1-bf16": ("accelerate_save.py", 2, ["--stage", "1", "--bf16"]),
-    "acc-z3": ("accelerate_save.py", 2, ["--stage", "3"]),
     # Seed 000: an mpu whose model-parallel axis holds replicas (sequence parallel).
     "replica-z2": ("ds_parallel_train.py", 2, ["--mode", "replica", "--stage", "2"]),
     "replica-z3": ("ds_parallel_train.py", 2, ["--mode", "replica", "--stage", "3"]),
@@ -58,20 +55,22 @@ CASES = {
 }
 
 
-def _cache_key() -> str:
+def _cache_key(script: str) -> str:
+    """Package versions + the case's engine script + the shared module: editing one script
+    rebuilds only the cases that run it."""
     h = hashlib.sha256()
     for pkg in ("torch", "deepspeed", "transformers", "accelerate", "safetensors"):
         try:
             h.update(f"{pkg}={md.version(pkg)};".encode())
         except md.PackageNotFoundError:
             h.update(f"{pkg}=none;".encode())
-    for script in sorted(ENGINES.glob("*.py")):
-        h.update(script.read_bytes())
+    for path in (ENGINES / script, ENGINES / "common.py"):
+        h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("HFCKPT_TEST_CACHE", REPO / ".test-cache")) / f"engines-{_cache_key()}"
+    return Path(os.environ.get("HFCKPT_TEST_CACHE", REPO / ".test-cache")) / "engines"
 
 
 def torchrun(script, nproc, args, *, log, timeout=ENGINE_TIMEOUT_S, env=None):
@@ -89,13 +88,13 @@ def torchrun(script, nproc, args, *, log, timeout=ENGINE_TIMEOUT_S, env=None):
 
 def build_case(name: str) -> Path:
     script, nproc, args = CASES[name]
-    out = cache_root() / name
+    out = cache_root() / _cache_key(script) / name  # cases of one script share a parent (see cb-z3-resume)
     if (out / "DONE").exists():
         return out
-    tmp = out.with_name(name + ".building")
+    tmp = out.with_name(out.name + ".building")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    torchrun(ENGINES / script, nproc, [tmp, *args], log=tmp.parent / f"{name}.log")
+    torchrun(ENGINES / script, nproc, [tmp, *args], log=tmp.parent / f"{out.name}.log")
     (tmp / "DONE").write_text("ok\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
