@@ -3,12 +3,14 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test test-main test-cai bench docs clean
+.PHONY: help setup demo test test-main test-cai docs bench clean
 
 help:
 	@echo "make demo   - train a tiny Llama under DeepSpeed ZeRO-3, export, verify, reload"
 	@echo "make test   - the whole test suite (both environments)"
 	@echo "make setup  - build .venv and .venv-cai (idempotent)"
+	@echo "make docs   - build the documentation site (mkdocs --strict) into site/"
+	@echo "make bench  - benchmark hf-ckpt export against zero_to_fp32.py (not part of make test)"
 
 setup:
 	@scripts/setup-venv.sh .venv requirements/main.txt
@@ -17,13 +19,19 @@ setup:
 demo: setup
 	.venv/bin/python demo/run_demo.py
 
-test: setup test-main test-cai
+test: setup test-main test-cai docs
 
 test-main:
 	.venv/bin/python -m pytest tests -ra --durations=15 $(PYTEST_ARGS)
 
 test-cai:
 	.venv-cai/bin/python -m pytest tests/cai -ra --durations=10 $(PYTEST_ARGS)
+
+docs: setup
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet -d site
+
+bench: setup
+	.venv/bin/python benchmarks/export_bench.py
 
 clean:
 	rm -rf .venv .venv-cai .test-cache site
