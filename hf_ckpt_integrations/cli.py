@@ -8,6 +8,7 @@ Exit codes: 0 success, 1 verification found a difference, 2 bad input or refused
 
 import argparse
 import json
+import os
 import sys
 
 from .errors import EXIT_BAD_INPUT, EXIT_DIFFERENT, EXIT_OK, CheckpointError
@@ -92,8 +93,14 @@ def export_command(args) -> int:
     from .writer import write_plan
 
     plan = build_plan(args.src, tag=args.tag, dtype=args.dtype, config=args.config, tp_rules=args.tp_rule)
-    report = write_plan(plan, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                        overwrite=args.overwrite, quiet=args.quiet)
+    from .parallel import world_from_env, write_plan_parallel
+
+    # Under `torchrun --nproc_per_node N -m hf_ckpt_integrations export ...` the ranks split the shards.
+    write = write_plan_parallel if world_from_env() > 1 else write_plan
+    report = write(plan, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                   overwrite=args.overwrite, quiet=args.quiet)
+    if os.environ.get("RANK", "0") != "0":
+        return EXIT_OK
     for note in plan.notes:
         if "config.json" in note:
             print(f"warning: {note}", file=sys.stderr)
