@@ -153,55 +153,156 @@ def disk_error(dst, e: OSError) -> DestinationError:
                             "nothing was written")
 
 
+# renameat2(2) flags (Linux >= 3.15, glibc >= 2.28).
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+_AT_FDCWD = -100
+
+
+def _renameat2(src: str, dst: str, flags: int) -> bool:
+    """``renameat2(src, dst, flags)``; False where the call or the flag is not available (the
+    caller falls back to plain renames), OSError for a real failure (EEXIST, ENOSPC...)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False  # old kernel, or a file system without the flag (some FUSE/NFS)
+    raise OSError(err, os.strerror(err), dst)
+
+
 class Staging:
-    """A temporary sibling of ``dst`` that becomes ``dst`` on :meth:`commit`, or vanishes.
+    """A temporary sibling of ``dst`` that becomes ``dst`` on a clean exit, or vanishes.
 
     ``with Staging(dst, overwrite=...) as tmp: ...write into tmp...`` — on a clean exit the
     directory is renamed into place (replacing ``dst`` only with ``overwrite``); on any
     exception it is removed and ``dst`` is untouched.
+
+    Crash and concurrency safety (docs/reliability.md):
+
+    - an exclusive ``flock`` on ``.<dst>.hfckpt-lock`` is held from ``__enter__`` to the end of
+      ``__exit__``: a second writer into the same ``dst`` fails at once with a clear error;
+    - holding the lock proves every ``.<dst>.hfckpt-tmp-*`` sibling belongs to a dead writer
+      (killed, power loss): they are removed on entry, and a previous export parked as
+      ``...-old-PID`` by an interrupted fallback replace is moved back first;
+    - ``--overwrite`` swaps the directories in one ``renameat2(RENAME_EXCHANGE)`` on Linux, so
+      ``dst`` is always the old complete export or the new one; elsewhere two renames (a crash
+      between them is repaired by the next run, as above).
     """
+
+    LOCK_SUFFIX = ".hfckpt-lock"
 
     def __init__(self, dst, *, overwrite: bool = False):
         self.dst = os.path.abspath(os.fspath(dst))
         self.overwrite = overwrite
-        self.path = os.path.join(os.path.dirname(self.dst),
-                                 f".{os.path.basename(self.dst)}{TMP_MARKER}{os.getpid()}")
+        self._parent, base = os.path.dirname(self.dst), os.path.basename(self.dst)
+        self._prefix = f".{base}{TMP_MARKER}"
+        self.path = os.path.join(self._parent, f"{self._prefix}{os.getpid()}")
+        self.lock_path = os.path.join(self._parent, f".{base}{self.LOCK_SUFFIX}")
+        self._lock_fd = None
+
+    def _lock(self) -> None:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock, the rest still holds
+            return
+        while True:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise DestinationError(f"{self.dst}: another export into it is running (pid {holder} holds "
+                                       f"{self.lock_path}); wait for it to finish or choose another directory")
+            try:  # the previous holder unlinks the file before unlocking: retry on a fresh one
+                same = os.fstat(fd).st_ino == os.stat(self.lock_path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                self._lock_fd = fd
+                return
+            os.close(fd)
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            try:
+                os.unlink(self.lock_path)  # while still holding it (see _lock)
+            except OSError:
+                pass
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _remove_stale(self) -> None:
+        """Under the lock: every temp sibling of ``dst`` is left over from a dead writer."""
+        stale = sorted(n for n in os.listdir(self._parent) if n.startswith(self._prefix))
+        for n in stale:
+            p = os.path.join(self._parent, n)
+            if n.startswith(f"{self._prefix}old-") and not os.path.lexists(self.dst):
+                os.rename(p, self.dst)  # the previous complete export, parked by a fallback replace
+            else:
+                shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
 
     def __enter__(self) -> str:
-        if os.path.lexists(self.dst) and not self.overwrite:
-            raise DestinationError(f"{self.dst}: already exists; choose a new directory or pass --overwrite")
-        if os.path.lexists(self.dst) and not os.path.isdir(self.dst):
-            raise DestinationError(f"{self.dst}: exists and is not a directory; remove it or choose another path")
         try:
-            os.makedirs(os.path.dirname(self.dst), exist_ok=True)
-            if os.path.lexists(self.path):
-                shutil.rmtree(self.path)
-            os.mkdir(self.path)
+            os.makedirs(self._parent, exist_ok=True)
+            self._lock()
         except OSError as e:
             raise disk_error(self.dst, e) from e
+        try:
+            self._remove_stale()
+            if os.path.lexists(self.dst) and not self.overwrite:
+                raise DestinationError(f"{self.dst}: already exists; choose a new directory or pass --overwrite")
+            if os.path.lexists(self.dst) and not os.path.isdir(self.dst):
+                raise DestinationError(f"{self.dst}: exists and is not a directory; remove it or choose another path")
+            os.mkdir(self.path)
+        except BaseException as e:
+            self._unlock()
+            if isinstance(e, OSError):
+                raise disk_error(self.dst, e) from e
+            raise
         return self.path
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            shutil.rmtree(self.path, ignore_errors=True)
-            if isinstance(exc, OSError):
-                raise disk_error(self.dst, exc) from exc
-            return False
         try:
-            fsync_dir(self.path)
-            if not os.path.lexists(self.dst):
+            if exc_type is not None:
+                shutil.rmtree(self.path, ignore_errors=True)
+                if isinstance(exc, OSError):
+                    raise disk_error(self.dst, exc) from exc
+                return False
+            try:
+                fsync_dir(self.path)
+                self._commit()
+                fsync_dir(self._parent)
+            except OSError as e:
+                shutil.rmtree(self.path, ignore_errors=True)
+                raise disk_error(self.dst, e) from e
+            return False
+        finally:
+            self._unlock()
+
+    def _commit(self) -> None:
+        if not os.path.lexists(self.dst):
+            if not _renameat2(self.path, self.dst, _RENAME_NOREPLACE):
                 os.rename(self.path, self.dst)
-            else:
-                old = os.path.join(os.path.dirname(self.dst),
-                                   f".{os.path.basename(self.dst)}{TMP_MARKER}old-{os.getpid()}")
-                os.rename(self.dst, old)
-                os.rename(self.path, self.dst)
-                shutil.rmtree(old, ignore_errors=True)
-            fsync_dir(os.path.dirname(self.dst))
-        except OSError as e:
-            shutil.rmtree(self.path, ignore_errors=True)
-            raise disk_error(self.dst, e) from e
-        return False
+        elif _renameat2(self.path, self.dst, _RENAME_EXCHANGE):
+            shutil.rmtree(self.path, ignore_errors=True)  # now holds the previous export
+        else:
+            old = f"{self._prefix}old-{os.getpid()}"
+            old = os.path.join(self._parent, old)
+            os.rename(self.dst, old)
+            os.rename(self.path, self.dst)
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def progress_bar(total, desc, quiet):
