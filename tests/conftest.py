@@ -52,6 +52,9 @@ CASES = {
     # Seed 004: many data-parallel ranks; lexicographic file order differs from rank order.
     "z2-dp12": ("ds_train.py", 12, ["--stage", "2"]),
     "z3-dp12": ("ds_train.py", 12, ["--stage", "3"]),
+    # Seed 001: a hand-split TP Llama under a custom mpu; nothing records the merge rules.
+    "tp-z1": ("ds_tp_train.py", 2, ["--stage", "1"]),
+    "tp-z2": ("ds_tp_train.py", 2, ["--stage", "2"]),
 }
 
 

@@ -148,3 +148,29 @@ def test_unknown_tp_parameter_refused_then_user_rule_merges_it(engine_ckpt, tmp_
     out = load_safetensors(tmp_path / "out" / "model.safetensors")
     for n, t in load_safetensors(case / "reference" / "master.safetensors").items():
         assert torch.equal(out[n], t), n
+
+
+@pytest.mark.parametrize("name", ["tp-z1", "tp-z2"])
+def test_custom_tp_mpu_needs_one_rule_for_the_vocab_parallel_embedding(name, engine_ckpt, tmp_path):
+    """q/k/v/o/gate/up/down and lm_head merge by the HF tp plan, norms by their full shape; the
+    vocabulary-parallel embedding is in no plan, so export refuses until the user says dim 0."""
+    from transformers import AutoModelForCausalLM
+
+    case = engine_ckpt(name)
+    line = _refused(case / "ckpt", tmp_path, "--config", case / "config", match="model.embed_tokens.weight")
+    assert "--tp-rule 'model.embed_tokens.weight=0'" in line and "suggests dim 0" in line
+    rule = ["model.embed_tokens.weight=0"]
+    info = inspect_checkpoint(case / "ckpt", config=str(case / "config"), tp_rules=rule)
+    rules = {t["name"]: t["rule"] for t in info["tensors"]}
+    assert rules["model.embed_tokens.weight"] == "user rule model.embed_tokens.weight=0"
+    assert rules["model.layers.0.mlp.down_proj.weight"] == "HF tp plan model.layers.*.mlp.down_proj: rowwise"
+    assert rules["model.layers.0.input_layernorm.weight"] == "each slice has the full shape from config.json"
+    export_checkpoint(case / "ckpt", tmp_path / "hf", config=str(case / "config"), tp_rules=rule)
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    out = load_safetensors(tmp_path / "hf" / "model.safetensors")
+    for n, t in load_safetensors(case / "reference" / "master.safetensors").items():
+        assert torch.equal(out[n], t), n
+    r = hf_ckpt("verify", tmp_path / "hf", "--against", case / "ckpt", "--config", case / "config",
+                "--tp-rule", rule[0])
+    assert r.returncode == 0, r.stdout + r.stderr
