@@ -19,6 +19,7 @@ __all__ = [
     "DestinationError",
     "ConsolidatedCheckpointCallback",
     "install_accelerate_hooks",
+    "install_colossalai_hooks",
     "lean_state_dict",
     "__version__",
 ]
@@ -27,6 +28,7 @@ __all__ = [
 _LAZY = {
     "ConsolidatedCheckpointCallback": ".integrations.trainer",
     "install_accelerate_hooks": ".integrations.accelerate",
+    "install_colossalai_hooks": ".integrations.colossalai",
     "lean_state_dict": ".lean",
 }
 

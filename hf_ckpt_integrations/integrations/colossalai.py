@@ -1,0 +1,120 @@
+"""``install_colossalai_hooks(booster)``: ``booster.save_model`` writes a loadable HF directory.
+
+After the call, for a model boosted with ``HybridParallelPlugin`` (tensor, pipeline and data
+parallel), ``booster.save_model(model, path, shard=True|False, size_per_shard=MB)`` keeps its
+signature but writes ``path`` as a HuggingFace directory that ``from_pretrained(path)`` loads:
+
+- safetensors shards (``model-0000K-of-0000N.safetensors`` + ``model.safetensors.index.json``)
+  with ``shard=True``, one ``model.safetensors`` with ``shard=False`` (``path`` is then a
+  directory too); ``config.json`` / ``generation_config.json`` from the model;
+- every TP-sharded tensor gathered first, then its vocabulary padding cut to the recorded
+  original length (:mod:`..sources.colossalai`; seed 003) — whatever the installed ColossalAI's
+  own save path does;
+- streamed: shard ``i`` written by rank ``i % world_size``; only that rank receives the pieces,
+  one tensor at a time; staged and moved into place when every rank succeeded.
+
+Every rank must call ``save_model`` (as ColossalAI already requires). ``use_safetensors``,
+``gather_dtensor``, ``prefix`` and ``use_async`` are ignored on this path (HF names, safetensors,
+synchronous). Other plugins (LowLevelZero, Gemini, TorchDDP, TorchFSDP) keep the original
+``save_model``; see ``docs/integrations/colossalai.md``.
+"""
+
+import functools
+import logging
+from typing import Optional
+
+from ._dist import all_ranks_ok, rank_world, write_distributed
+
+__all__ = ["install_colossalai_hooks", "save_model"]
+
+logger = logging.getLogger(__name__)
+
+_MIB = 1024 * 1024  # ColossalAI's size_per_shard is in MiB
+_ONE_FILE = 1 << 62
+
+
+def _supported(booster) -> bool:
+    from colossalai.booster.plugin import HybridParallelPlugin
+
+    return isinstance(getattr(booster, "plugin", None), HybridParallelPlugin)
+
+
+def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, dtype: Optional[str] = None) -> dict:
+    """What the hooked ``booster.save_model`` runs. Collective: every rank calls it.
+
+    Returns the writer's report. Raises :class:`~._dist.SaveError` on every rank when any failed.
+    """
+    from ..sources.colossalai import bind_tensors, describe_model
+    from ._dist import _split
+
+    if hasattr(model, "_force_wait_all_gather"):
+        model._force_wait_all_gather()  # ZeRO overlap_allgather may still be filling the params
+    module = model.unwrap() if hasattr(model, "unwrap") else model
+    infos, error = None, None
+    try:
+        infos = describe_model(module)
+    except Exception as e:
+        error = e
+    all_ranks_ok(error, f"booster.save_model into {checkpoint}: reading the layout")
+    max_shard_size = int(size_per_shard * _MIB) if shard else _ONE_FILE
+    # The same split write_distributed makes: tells every rank who writes (so who receives) each tensor.
+    sized = bind_tensors(infos, module, lambda name: 0, dtype=dtype)
+    _, world = rank_world()
+    split = _split(sized, max_shard_size, "safetensors")
+    writer = {n: i % world for i, names in enumerate(split.filename_to_tensors.values()) for n in names}
+    tensors = bind_tensors(infos, module, writer.__getitem__, dtype=dtype)
+    what = f"booster.save_model into {checkpoint}"
+    report = write_distributed(tensors, checkpoint, max_shard_size=max_shard_size, collective=True,
+                               replace_existing=True, what=what)
+    error = None
+    if rank_world()[0] == 0:
+        try:
+            _write_config(module, checkpoint, dtype)
+        except Exception as e:
+            error = e
+    all_ranks_ok(error, f"writing config.json into {checkpoint}")
+    return report
+
+
+def _write_config(module, directory, dtype: Optional[str] = None) -> None:
+    """``config.json`` as ``save_pretrained`` writes it (``architectures``, ``torch_dtype`` set)."""
+    import copy
+
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config = copy.deepcopy(config)
+        config.architectures = [type(module).__name__]
+        floats = [p.dtype for p in module.parameters() if p is not None and p.is_floating_point()]
+        names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+        if dtype in names or floats:
+            config.torch_dtype = names.get(dtype) or str(floats[0]).replace("torch.", "")
+        config.save_pretrained(directory)
+        gen = getattr(module, "generation_config", None)
+        if gen is not None and hasattr(gen, "save_pretrained"):
+            gen.save_pretrained(directory)
+
+
+def install_colossalai_hooks(booster, *, dtype: Optional[str] = None):
+    """Make ``booster.save_model`` write HF directories (see module doc). Call once, right after
+    ``Booster(plugin=...)``; calling again is a no-op. Returns ``booster``.
+
+    ``dtype``: ``None`` writes each tensor in its training dtype (what ColossalAI writes);
+    ``"fp32"``, ``"bf16"``, ``"fp16"`` cast floating tensors, one tensor at a time.
+    """
+    if getattr(booster, "_hf_ckpt_hooks", None):
+        return booster
+    original = booster.save_model
+
+    @functools.wraps(original)
+    def hooked_save_model(model, checkpoint, shard=False, gather_dtensor=True, prefix=None, size_per_shard=1024,
+                          use_safetensors=False, use_async=False):
+        if not _supported(booster):
+            logger.warning("install_colossalai_hooks: %s is not handled; using ColossalAI's own save_model",
+                           type(getattr(booster, "plugin", None)).__name__)
+            return original(model, checkpoint, shard=shard, gather_dtensor=gather_dtensor, prefix=prefix,
+                            size_per_shard=size_per_shard, use_safetensors=use_safetensors, use_async=use_async)
+        return save_model(model, checkpoint, shard=shard, size_per_shard=size_per_shard, dtype=dtype)
+
+    booster.save_model = hooked_save_model
+    booster._hf_ckpt_hooks = {"original_save_model": original}
+    return booster

@@ -1,0 +1,230 @@
+"""A live ColossalAI-boosted model (``HybridParallelPlugin``: TP, PP, DP) -> :class:`~..writer.OutTensor` list.
+
+Call order (every rank makes every call, in the same order):
+
+1. :func:`describe_model` — collective (``all_gather_object``): every rank reports the tensors it
+   holds (local shape, dtype, TP sharding, vocabulary padding); all ranks get the same merged,
+   global list of :class:`TensorInfo` (names from ``state_dict()``, so unheld pipeline stages and
+   tied weights resolve to HF names).
+2. the caller decides which rank writes each tensor (the writer's shard split);
+3. :func:`bind_tensors` turns the infos into :class:`~.live.LiveTensor` objects. On the writing
+   rank ``chunks()`` receives the TP pieces from their holders (point-to-point, so only the writer
+   ever holds the gathered tensor, and only one tensor at a time), concatenates them along the
+   sharded dimension, and only then cuts the vocabulary padding back to the recorded original
+   length; on a holding rank ``drain()`` sends its local piece to the writer; on other ranks
+   ``drain()`` does nothing.
+
+Why gather first (seed 003): ColossalAI records ``_origin_length`` / ``_current_length`` on each
+rank's *local* shard, but both describe the *global* padded dimension (e.g. 1001 of 1024 rows).
+Cutting a 512-row local shard to 1001 rows is a no-op, and the gathered tensor keeps 1024 rows —
+the checkpoint that ``from_pretrained`` refuses. Here the padded length is checked against the
+gathered tensor before the cut, so a layout that disagrees raises instead of writing a wrong shape.
+
+This module uses only ``torch.distributed`` point-to-point calls and the layout attributes
+ColossalAI attaches to parameters; it never calls ColossalAI's own gather/unpad helpers.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from ..errors import LayoutError
+from ..plan import dtype_from_name
+from .live import LiveTensor, _own_bytes, _st_dtype
+
+__all__ = ["TensorInfo", "describe_model", "bind_tensors", "local_tensors"]
+
+
+@dataclass
+class TensorInfo:
+    """One output tensor, identical on every rank after :func:`describe_model`.
+
+    ``holders``: ``{rank: local_shape}`` for every rank holding (a piece of) the tensor.
+    ``groups``: for a TP-sharded tensor, each distinct TP group holding it, as its global ranks in
+    shard order (a DP replica of the model is another group); empty for a whole tensor.
+    ``shard_dim``: the dimension split over the TP group (``None`` for a whole tensor).
+    ``padding``: ``(dim, origin_length, padded_length)`` of the *global* tensor, or ``None``.
+    ``shape``: the shape written (gathered, unpadded).
+    """
+
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+    holders: Dict[int, Tuple[int, ...]] = field(default_factory=dict)
+    groups: List[Tuple[int, ...]] = field(default_factory=list)
+    shard_dim: Optional[int] = None
+    padding: Optional[Tuple[int, int, int]] = None
+
+    def sources(self, writer: int) -> List[int]:
+        """The ranks whose local pieces, in order, make the tensor written by ``writer``."""
+        if self.shard_dim is None:
+            return [writer] if writer in self.holders else [min(self.holders)]
+        for g in self.groups:
+            if writer in g:
+                return list(g)
+        return list(self.groups[0])
+
+
+def local_tensors(module) -> List[Tuple[str, object]]:
+    """``(name, tensor)`` of ``module.state_dict(keep_vars=True)``, a tied tensor once (first name)."""
+    seen, out = set(), []
+    for name, t in module.state_dict(keep_vars=True).items():
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        out.append((name, t))
+    return out
+
+
+def _local_record(name, t) -> dict:
+    import torch.distributed as dist
+    from colossalai.tensor.d_tensor import is_distributed_tensor
+    from colossalai.tensor.d_tensor.api import is_customized_distributed_tensor
+    from colossalai.tensor.padded_tensor import is_padded_tensor
+
+    rec = {"name": name, "dtype": _st_dtype(t.dtype), "local_shape": tuple(t.shape), "shard_dim": None,
+           "group": None, "global_shape": tuple(t.shape), "padding": None}
+    if is_customized_distributed_tensor(t):
+        raise LayoutError(f"{name}: a customized distributed tensor (e.g. a fused QKV split) has no generic "
+                          "gather rule; save this model with the booster's own save_model (install_colossalai_hooks "
+                          "cannot write it)")
+    if is_distributed_tensor(t):
+        layout = t.dist_layout
+        parts = {d: axes for d, axes in layout.sharding_spec.dim_partition_dict.items() if axes}
+        if len(parts) > 1 or any(len(a) != 1 for a in parts.values()):
+            raise LayoutError(f"{name}: sharded over {parts} (dim -> device-mesh axes); only 1-D tensor "
+                              "parallelism (one dimension over one axis) is supported — save with the booster's "
+                              "own save_model")
+        rec["global_shape"] = tuple(layout.global_shape)
+        if parts:
+            (dim, (axis,)), = parts.items()
+            group = layout.device_mesh.get_process_group(axis)
+            rec["shard_dim"] = int(dim)
+            rec["group"] = tuple(dist.get_process_group_ranks(group))
+    if is_padded_tensor(t):
+        rec["padding"] = (int(t._padding_dim), int(t._origin_length), int(t._current_length))
+    return rec
+
+
+def describe_model(module) -> List[TensorInfo]:
+    """The global tensor list of a boosted model's unwrapped module. Collective: every rank calls it.
+
+    Raises :class:`LayoutError` (on every rank that sees it) when ranks disagree about a tensor or a
+    padding record does not match the gathered shape.
+    """
+    import torch.distributed as dist
+
+    local = [_local_record(n, t) for n, t in local_tensors(module)]
+    if dist.is_available() and dist.is_initialized():
+        everyone: List[Optional[list]] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (dist.get_rank(), local))
+    else:
+        everyone = [(0, local)]
+    infos: Dict[str, TensorInfo] = {}
+    for rank, records in everyone:  # rank order, then state_dict order: the same list everywhere
+        for r in records:
+            info = infos.get(r["name"])
+            if info is None:
+                info = infos[r["name"]] = TensorInfo(r["name"], r["dtype"], r["global_shape"],
+                                                     shard_dim=r["shard_dim"], padding=r["padding"])
+            elif (info.dtype, info.shape, info.shard_dim, info.padding) != (r["dtype"], r["global_shape"],
+                                                                            r["shard_dim"], r["padding"]):
+                raise LayoutError(f"{r['name']}: rank {rank} holds it as {r['dtype']} {r['global_shape']} "
+                                  f"(shard dim {r['shard_dim']}, padding {r['padding']}) but another rank as "
+                                  f"{info.dtype} {info.shape} (shard dim {info.shard_dim}, padding {info.padding}); "
+                                  "the ranks do not hold the same model — save from one boosted model")
+            info.holders[rank] = r["local_shape"]
+            if r["group"] is not None and r["group"] not in info.groups:
+                info.groups.append(r["group"])
+    out = list(infos.values())
+    for info in out:
+        _finish(info)
+    return out
+
+
+def _finish(info: TensorInfo) -> None:
+    """Check the pieces cover the global shape, then apply the padding record to the *global* shape."""
+    if info.shard_dim is not None:
+        for g in info.groups:
+            got = sum(info.holders[r][info.shard_dim] for r in g)
+            if got != info.shape[info.shard_dim]:
+                raise LayoutError(f"{info.name}: TP group {list(g)} holds {got} of {info.shape[info.shard_dim]} "
+                                  f"entries along dim {info.shard_dim}; the layout metadata is inconsistent")
+    if info.padding is not None:
+        dim, origin, padded = info.padding
+        if info.shape[dim] != padded:
+            # The record describes the global padded length; anything else means we would cut wrongly.
+            raise LayoutError(f"{info.name}: padded to {padded} along dim {dim}, but the gathered tensor has "
+                              f"{info.shape[dim]} there; refusing to unpad (seed 003: pad records are global)")
+        shape = list(info.shape)
+        shape[dim] = origin
+        info.shape = tuple(shape)
+
+
+def _to_bytes_tensor(t):
+    import torch
+
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _gathered(info: TensorInfo, local, sources: Sequence[int], me: int, device):
+    """On the writer: the full tensor (TP pieces received in group order, concatenated), unpadded."""
+    import torch
+    import torch.distributed as dist
+
+    from ..assemble import _torch_dtype
+
+    dtype = _torch_dtype(info.dtype)
+    pieces = []
+    for src in sources:
+        if src == me:
+            pieces.append(local.detach())
+            continue
+        shape = info.holders[src]
+        n = 1
+        for s in shape:
+            n *= s
+        buf = torch.empty(n * dtype.itemsize, dtype=torch.uint8, device=device)
+        dist.recv(buf, src=src)  # bytes, so every dtype travels (bf16 included) on gloo and NCCL alike
+        pieces.append(buf.view(dtype).view(shape))
+    full = pieces[0] if info.shard_dim is None else torch.cat(pieces, dim=info.shard_dim)
+    if info.padding is not None:  # only now, on the gathered tensor
+        dim, origin, _ = info.padding
+        full = full.narrow(dim, 0, origin)
+    return full
+
+
+def bind_tensors(infos: Sequence[TensorInfo], module, writer_of: Callable[[str], int], *,
+                 dtype: Optional[str] = None) -> List[LiveTensor]:
+    """:class:`LiveTensor` objects for ``infos``; ``writer_of(name)`` is the rank that writes each one.
+
+    Every rank must call it with the same ``infos`` and ``writer_of``, and then walk the tensors in
+    the same order (the writer calling ``chunks()``, every other rank ``drain()``).
+    ``dtype``: ``None`` keeps the training dtype; ``"fp32"``/``"bf16"``/``"fp16"`` casts floats.
+    """
+    import torch
+    import torch.distributed as dist
+
+    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    mine = dict(local_tensors(module))
+    device = next((t.device for t in mine.values()), torch.device("cpu"))
+    st_target = dtype_from_name(dtype)
+    cast = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(st_target)
+    out = []
+    for info in infos:
+        writer = writer_of(info.name)
+        sources = info.sources(writer)
+        local = mine.get(info.name)
+        out_dtype = st_target if (st_target and info.dtype in ("F32", "BF16", "F16", "F64")) else info.dtype
+
+        def chunks(info=info, local=local, sources=sources):
+            full = _gathered(info, local, sources, me, device)
+            yield _own_bytes(full, cast)
+
+        def drain(info=info, local=local, sources=sources, writer=writer):
+            if me == writer:
+                _gathered(info, local, sources, me, device)  # receive and drop: keep the pairs matched
+            elif me in sources:
+                dist.send(_to_bytes_tensor(local), dst=writer)
+
+        out.append(LiveTensor(info.name, out_dtype, tuple(info.shape), chunks, drain))
+    return out
