@@ -209,6 +209,49 @@ class _Unpickler(pickle.Unpickler):
         return StorageRef(self._path, str(key), str(dtype), int(numel), offset)
 
 
+def _check_local_entry(fh, info: zipfile.ZipInfo, path: str) -> int:
+    """Cross-check an entry's local header (and data descriptor) with the central directory and
+    return the absolute offset of its data.
+
+    Only the central directory is read by ``zipfile``; the data offset comes from the local
+    header's name and extra lengths. A damaged local header would otherwise shift every byte
+    range read from that entry (a silently wrong tensor), so the two copies must agree.
+    """
+    def corrupt(what):
+        return CheckpointError(f"{path}: bad zip entry {info.filename} ({what}); the file is corrupt, "
+                               "copy it again from the training run")
+
+    fh.seek(info.header_offset)
+    header = fh.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise corrupt("no local header where the central directory points")
+    flags, method, crc, csize, usize, name_len, extra_len = struct.unpack("<6xHH4xIIIHH", header)
+    if method != info.compress_type or (flags & 0x8) != (info.flag_bits & 0x8):
+        raise corrupt("local header disagrees with the central directory")
+    name = fh.read(name_len)
+    encoding = "utf-8" if info.flag_bits & 0x800 else "cp437"
+    if name != info.orig_filename.encode(encoding, errors="replace"):
+        raise corrupt("local file name disagrees with the central directory")
+    extra = fh.read(extra_len)
+    pos = 0
+    while pos + 4 <= len(extra):  # extra field = (id u16, size u16, data) records, exactly filling it
+        pos += 4 + struct.unpack("<H", extra[pos + 2:pos + 4])[0]
+    if pos != extra_len:
+        raise corrupt("malformed extra field")
+    offset = info.header_offset + 30 + name_len + extra_len
+    if flags & 0x8:  # sizes and CRC follow the data in a descriptor (what torch writes)
+        fh.seek(offset + info.compress_size)
+        desc = fh.read(12)
+        if desc[:4] == b"PK\x07\x08":
+            desc = desc[4:] + fh.read(4)
+        if len(desc) != 12 or struct.unpack("<II", desc[:8]) != (info.CRC, info.compress_size & 0xFFFFFFFF):
+            raise corrupt("data descriptor disagrees with the central directory")
+    elif crc != info.CRC or (csize != 0xFFFFFFFF and csize != info.compress_size) or \
+            (usize != 0xFFFFFFFF and usize != info.file_size):
+        raise corrupt("local sizes disagree with the central directory")
+    return offset
+
+
 def _stored_entries(zf: zipfile.ZipFile, fh, file_size: int, path: str):
     """Map storage key -> (absolute data offset, nbytes) for every ``*/data/<key>`` entry."""
     out = {}
@@ -219,14 +262,8 @@ def _stored_entries(zf: zipfile.ZipFile, fh, file_size: int, path: str):
         if info.compress_type != zipfile.ZIP_STORED:
             raise CheckpointError(f"{path}: storage {info.filename} is compressed; torch never writes that, "
                                   "so the file was re-packed: save it again with torch.save")
-        fh.seek(info.header_offset)
-        header = fh.read(30)
-        if len(header) != 30 or header[:4] != b"PK\x03\x04":
-            raise CheckpointError(f"{path}: bad zip entry {info.filename}; the file is corrupt, "
-                                  "copy it again from the training run")
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        offset = info.header_offset + 30 + name_len + extra_len
-        if offset + info.file_size > file_size:
+        offset = _check_local_entry(fh, info, path)
+        if offset + info.file_size > file_size or info.compress_size != info.file_size:
             raise CheckpointError(f"{path}: truncated (storage {parts[-1]} runs past the end of the file); "
                                   "copy it again from the training run")
         out[parts[-1]] = (offset, info.file_size)
@@ -261,11 +298,16 @@ def load(path) -> Any:
                     raise CheckpointError(f"{path}: not a torch checkpoint (no single data.pkl inside)")
                 storages = _stored_entries(zf, fh, file_size, path)
                 try:
-                    data = zf.read(pkls[0])
+                    data = zf.read(pkls[0])  # checks the entry's CRC-32
                 except (zipfile.BadZipFile, EOFError, OSError) as e:
                     raise CheckpointError(f"{path}: corrupt pickle entry ({e}); copy it again") from e
+    except CheckpointError:
+        raise
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e}); check the path and permissions") from e
+    except Exception as e:  # a damaged central directory raises a zoo of types inside zipfile
+        raise CheckpointError(f"{path}: corrupt zip structure ({type(e).__name__}: {e}); "
+                              "copy it again from the training run") from e
     try:
         return _Unpickler(data, path, storages).load()
     except CheckpointError:
