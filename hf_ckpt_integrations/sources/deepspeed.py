@@ -275,6 +275,14 @@ def _resolve_rule(name, ss, info, hf_plans, embeddings, user_rules, full) -> Rul
     return rule
 
 
+def _meta_int(value, path, key):
+    """A recorded integer (``zero_stage``, ``partition_count``...), or LayoutError naming the file."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise LayoutError(f"{path}: recorded {key} is {value!r}, not an integer; the file is corrupt or not "
+                      "written by DeepSpeed: copy it again from the training run")
+
+
 def _shape(value, path, name):
     try:
         shape = tuple(int(s) for s in value)
@@ -308,13 +316,13 @@ def _plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, _Rank], model_files, out_dt
         missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
         raise LayoutError(f"{tag_dir}: data-parallel rank file(s) {missing} missing (found ranks "
                           f"{sorted(ranks)}); copy the whole tag directory again")
-    first = ranks[0].osd
-    stage = int(first["zero_stage"]) if not isinstance(first["zero_stage"], int) else first["zero_stage"]
+    stage = _meta_int(ranks[0].osd["zero_stage"], ranks[0].path, "zero_stage")
     for r in ranks.values():
         pc = r.osd.get("partition_count")
         counts = pc if isinstance(pc, list) else [pc]
-        if int(r.osd["zero_stage"]) != stage or any(int(c) != dp for c in counts):
-            raise LayoutError(f"{r.path}: records zero_stage={int(r.osd['zero_stage'])} partition_count={pc}, "
+        r_stage = _meta_int(r.osd["zero_stage"], r.path, "zero_stage")
+        if r_stage != stage or not counts or any(_meta_int(c, r.path, "partition_count") != dp for c in counts):
+            raise LayoutError(f"{r.path}: records zero_stage={r_stage} partition_count={pc}, "
                               f"but the tag holds {dp} rank files of stage {stage}; files from different "
                               "saves are mixed: copy one save's tag directory again")
     if stage == 3:
