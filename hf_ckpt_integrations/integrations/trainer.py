@@ -99,6 +99,9 @@ class ConsolidatedCheckpointCallback(TrainerCallback):
         self.reports = {}
 
     def _consolidate(self, directory, model):
+        if not _has_engine_checkpoint(directory):
+            # Not a DeepSpeed run: the Trainer's own save_pretrained output is already loadable.
+            return {"action": "kept", "files": existing_weights(directory)}
         dtype = self.dtype or training_dtype(model)
         report = consolidate_checkpoint(directory, dtype=dtype, max_shard_size=self.max_shard_size,
                                         existing=self.existing)
