@@ -65,10 +65,18 @@ class TensorInfo:
 
 
 def local_tensors(module) -> List[Tuple[str, object]]:
-    """``(name, tensor)`` of ``module.state_dict(keep_vars=True)``, a tied tensor once (first name)."""
+    """``(name, tensor)`` of ``module.state_dict(keep_vars=True)``, a tied tensor once (first name).
+
+    With ``config.tie_word_embeddings`` the model's ``_tied_weights_keys`` (``lm_head.weight``) are
+    left out, as ``save_pretrained`` does: shardformer's TP layers may hold the tied head as a
+    separate Parameter object, so identity alone does not see the tie; ``from_pretrained`` re-ties it.
+    """
+    config = getattr(module, "config", None)
+    tied = set(getattr(module, "_tied_weights_keys", None) or ()) if getattr(
+        config, "tie_word_embeddings", False) else set()
     seen, out = set(), []
     for name, t in module.state_dict(keep_vars=True).items():
-        if t is None or id(t) in seen:
+        if t is None or id(t) in seen or name in tied:
             continue
         seen.add(id(t))
         out.append((name, t))
