@@ -55,6 +55,12 @@ CASES = {
     # Seed 001: a hand-split TP Llama under a custom mpu; nothing records the merge rules.
     "tp-z1": ("ds_tp_train.py", 2, ["--stage", "1"]),
     "tp-z2": ("ds_tp_train.py", 2, ["--stage", "2"]),
+    # Seed 001 end to end: save (with/without the helper), ds_to_universal, resume at TP=1 / DP=1.
+    "uc-tp-helper": ("ds_universal.py", 2, ["train", "--layout", "tp", "--info", "helper"]),
+    "uc-tp-helper-resume": ("ds_universal.py", 1, ["resume", "--from", "uc-tp-helper"]),
+    "uc-tp-naive": ("ds_universal.py", 2, ["train", "--layout", "tp", "--info", "naive"]),
+    "uc-dp-helper": ("ds_universal.py", 2, ["train", "--layout", "dp", "--info", "helper"]),
+    "uc-dp-helper-resume": ("ds_universal.py", 1, ["resume", "--from", "uc-dp-helper"]),
 }
 
 
@@ -67,7 +73,11 @@ def _cache_key(script: str) -> str:
             h.update(f"{pkg}={md.version(pkg)};".encode())
         except md.PackageNotFoundError:
             h.update(f"{pkg}=none;".encode())
-    for path in (ENGINES / script, ENGINES / "common.py"):
+    paths = [ENGINES / script, ENGINES / "common.py"]
+    if "hf_ckpt_integrations" in (ENGINES / script).read_text():
+        # The run itself calls the package (save-time hooks): its code is part of the result.
+        paths += sorted((REPO / "hf_ckpt_integrations").rglob("*.py"))
+    for path in paths:
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 

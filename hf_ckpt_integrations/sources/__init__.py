@@ -16,6 +16,15 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
     if not os.path.isdir(src):
         raise CheckpointError(f"{src}: is a file; pass the directory that holds it (a DeepSpeed save dir, "
                               "tag dir or Trainer checkpoint-N dir)")
-    from . import deepspeed
+    from . import deepspeed, universal
 
+    # A universal checkpoint (ds_to_universal output): the directory itself, or a tag naming one.
+    for cand in ([os.path.join(src, tag)] if tag else []) + [src]:
+        if universal.is_universal_dir(cand):
+            config_dir = config if config is not None else deepspeed.find_config_dir(
+                [cand, os.path.dirname(cand), os.path.dirname(os.path.dirname(cand))])
+            plan = universal.build_plan(cand, config_dir=config_dir)
+            if config_dir is not None:
+                deepspeed.drop_tied_aliases(plan)
+            return plan
     return deepspeed.build_plan(src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules)

@@ -18,7 +18,7 @@ from ..plan import ExportPlan, Piece, TensorPlan, dtype_from_name
 from . import layout
 from .tp_rules import Rule, concat_shape, hf_plans_for, parse_user_rule, rule_from_hf_plan, rule_from_universal_info, rule_from_user
 
-__all__ = ["build_plan", "resolve_tag_dir", "find_config_dir"]
+__all__ = ["build_plan", "resolve_tag_dir", "find_config_dir", "drop_tied_aliases"]
 
 _OPTIM_RE = re.compile(r"^(?:(bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -166,7 +166,7 @@ def build_plan(src: str, *, tag: Optional[str] = None, dtype: Optional[str] = No
         plan.notes.append("no config.json found next to the checkpoint: pass --config DIR, or the "
                           "exported directory will not load with from_pretrained")
     else:
-        _drop_tied_aliases(plan)
+        drop_tied_aliases(plan)
     return plan
 
 
@@ -512,7 +512,7 @@ def _plan_zero3_frozen(model_files, dp, tensors):
         tensors[name] = TensorPlan(name, shape, pieces[0].dtype, [pieces], kind="frozen")
 
 
-def _drop_tied_aliases(plan: ExportPlan):
+def drop_tied_aliases(plan: ExportPlan):
     """Tied names (``lm_head.weight`` -> ``model.embed_tokens.weight``) are written once, as
     ``save_pretrained`` does; ``from_pretrained`` re-ties them. Kept when the config says the
     weights are not tied (the engine shared them by hand)."""

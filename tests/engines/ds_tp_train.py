@@ -106,6 +106,13 @@ SPLITS = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, "
           "embed_tokens": 0, "lm_head": 0}
 
 
+def _mark_split(module):
+    # DeepSpeed counts a parameter once in the global grad norm (clipping is on by default)
+    # unless it is marked model parallel: every slice then contributes, as in Megatron.
+    module.weight.tensor_model_parallel = True
+    return module
+
+
 def make_tp_llama(config, mpu):
     from transformers import LlamaForCausalLM
 
@@ -114,12 +121,13 @@ def make_tp_llama(config, mpu):
     g, r, tp = mpu.get_model_parallel_group(), mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        a.q_proj, a.k_proj, a.v_proj = (ColumnParallel(x, g, r, tp) for x in (a.q_proj, a.k_proj, a.v_proj))
-        a.o_proj = RowParallel(a.o_proj, g, r, tp)
-        m.gate_proj, m.up_proj = ColumnParallel(m.gate_proj, g, r, tp), ColumnParallel(m.up_proj, g, r, tp)
-        m.down_proj = RowParallel(m.down_proj, g, r, tp)
-    model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, g, r, tp)
-    model.lm_head = ColumnParallel(model.lm_head, g, r, tp, gather=True)
+        a.q_proj, a.k_proj, a.v_proj = (_mark_split(ColumnParallel(x, g, r, tp)) for x in (a.q_proj, a.k_proj, a.v_proj))
+        a.o_proj = _mark_split(RowParallel(a.o_proj, g, r, tp))
+        m.gate_proj = _mark_split(ColumnParallel(m.gate_proj, g, r, tp))
+        m.up_proj = _mark_split(ColumnParallel(m.up_proj, g, r, tp))
+        m.down_proj = _mark_split(RowParallel(m.down_proj, g, r, tp))
+    model.model.embed_tokens = _mark_split(VocabParallelEmbedding(model.model.embed_tokens, g, r, tp))
+    model.lm_head = _mark_split(ColumnParallel(model.lm_head, g, r, tp, gather=True))
     return model
 
 
