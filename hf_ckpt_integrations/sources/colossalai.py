@@ -64,8 +64,21 @@ class TensorInfo:
         return list(self.groups[0])
 
 
+def _named_tensors(module):
+    """Parameters, then persistent buffers, in ``state_dict`` naming — read directly, never through
+    ``state_dict()``: shardformer's ``ParallelModule._save_to_state_dict`` gathers and unpads every TP
+    tensor itself (an all-gather on every rank), which is the path this source must not depend on."""
+    yield from module.named_parameters()
+    for mod_name, mod in module.named_modules():
+        skip = getattr(mod, "_non_persistent_buffers_set", set())
+        for b_name, b in mod.named_buffers(recurse=False):
+            if b is not None and b_name not in skip:
+                yield (f"{mod_name}.{b_name}" if mod_name else b_name), b
+
+
 def local_tensors(module) -> List[Tuple[str, object]]:
-    """``(name, tensor)`` of ``module.state_dict(keep_vars=True)``, a tied tensor once (first name).
+    """``(name, tensor)`` of the module's local parameters and persistent buffers (this rank's TP piece,
+    still padded), a tied tensor once (first name).
 
     With ``config.tie_word_embeddings`` the model's ``_tied_weights_keys`` (``lm_head.weight``) are
     left out, as ``save_pretrained`` does: shardformer's TP layers may hold the tied head as a
@@ -75,7 +88,7 @@ def local_tensors(module) -> List[Tuple[str, object]]:
     tied = set(getattr(module, "_tied_weights_keys", None) or ()) if getattr(
         config, "tie_word_embeddings", False) else set()
     seen, out = set(), []
-    for name, t in module.state_dict(keep_vars=True).items():
+    for name, t in _named_tensors(module):
         if t is None or id(t) in seen or name in tied:
             continue
         seen.add(id(t))
