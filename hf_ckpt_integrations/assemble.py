@@ -5,17 +5,29 @@ from ``mmap`` with no tensor library. Casts, tensor-parallel merges and unpaddin
 and hold one tensor in memory.
 """
 
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from .errors import LayoutError
 from .plan import TensorPlan
 from .safe_load import DTYPE_SIZES, MappedFiles
 
-__all__ = ["out_dtype_for", "iter_bytes", "to_torch", "check_replicas", "FLOAT_DTYPES"]
+__all__ = ["out_dtype_for", "iter_bytes", "to_torch", "check_replicas", "FileRange", "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 _TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+class FileRange(NamedTuple):
+    """``nbytes`` bytes at ``offset`` of ``path``, to be copied by the kernel (``os.copy_file_range``)
+    rather than read: the pages never enter this process, so memory stays flat whatever the model size."""
+
+    path: str
+    offset: int
+    nbytes: int
+
+    def __len__(self):
+        return self.nbytes
 
 
 def out_dtype_for(t: TensorPlan, requested):
@@ -78,15 +90,18 @@ def check_replicas(t: TensorPlan, files: MappedFiles) -> None:
                 "diverged (use --tag for an earlier save), or treat the axis as tensor parallel with --tp-rule")
 
 
-def iter_bytes(t: TensorPlan, out_dtype: str, files: MappedFiles) -> Iterator[memoryview]:
+def iter_bytes(t: TensorPlan, out_dtype: str, files: MappedFiles, *, ranges: bool = False) -> Iterator:
     """Yield the output bytes of ``t`` in ``out_dtype``, in order, a chunk at a time.
 
-    Replicas are compared with the first copy before anything is yielded.
+    With ``ranges``, stored bytes are yielded as :class:`FileRange` (for a writer that copies them
+    file to file); otherwise every chunk is a bytes-like object. Replicas are compared with the
+    first copy before anything is yielded.
     """
     check_replicas(t, files)
     if t.is_byte_copy and all(p.dtype == out_dtype for p in t.parts[0]):
         for p in t.parts[0]:
-            yield files.read(p.path, p.offset, p.numel * DTYPE_SIZES[p.dtype])
+            n = p.numel * DTYPE_SIZES[p.dtype]
+            yield FileRange(p.path, p.offset, n) if ranges else files.read(p.path, p.offset, n)
         return
     tensor = to_torch(t, files).to(_torch_dtype(out_dtype)).contiguous()
     import torch

@@ -107,7 +107,7 @@ def _write(dist, plan, dst, dtype, max_shard_size, overwrite, quiet, group):
             if not os.path.isdir(tmp):
                 raise DestinationError(f"{tmp}: rank 0 created this staging directory but rank {rank} cannot "
                                        "see it; the destination must be on a file system every rank shares")
-            tensors = plan_tensors(plan, dtype, files)
+            tensors = plan_tensors(plan, dtype, files, ranges=True)
             split = split_shards(tensors, max_shard_size)
             by_name = {t.name: t for t in tensors}
             shards = list(split.filename_to_tensors.items())

@@ -25,7 +25,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from huggingface_hub import split_state_dict_into_shards_factory
 
-from .assemble import iter_bytes, out_dtype_for
+from .assemble import FileRange, iter_bytes, out_dtype_for
 from .errors import DestinationError
 from .plan import ExportPlan, dtype_from_name
 from .safe_load import DTYPE_SIZES, MappedFiles
@@ -98,12 +98,20 @@ def write_shard(path, tensors: Sequence[OutTensor], progress=None) -> int:
     """
     tensors = shard_order(tensors)
     total = 0
+    sources = {}
     with open(path, "wb") as fh:
         fh.write(_header(tensors))
         for t in tensors:
             got = 0
             for chunk in t.chunks():
-                fh.write(chunk)
+                if isinstance(chunk, FileRange):
+                    fh.flush()
+                    src = sources.get(chunk.path)
+                    if src is None:
+                        src = sources[chunk.path] = os.open(chunk.path, os.O_RDONLY)
+                    _copy_range(src, fh.fileno(), chunk)
+                else:
+                    fh.write(chunk)
                 got += len(chunk)
             if got != t.nbytes:
                 raise DestinationError(f"{t.name}: produced {got} bytes, expected {t.nbytes}; please report this "
@@ -113,7 +121,39 @@ def write_shard(path, tensors: Sequence[OutTensor], progress=None) -> int:
             total += got
         fh.flush()
         os.fsync(fh.fileno())
+    for fd in sources.values():
+        os.close(fd)
     return total
+
+
+_BLOCK = 16 * 2**20
+
+
+def _copy_range(src: int, dst: int, r: FileRange) -> None:
+    """Append ``r``'s bytes to ``dst`` (at its current offset): in the kernel where it can
+    (``copy_file_range``), else through a bounded buffer."""
+    offset, left = r.offset, r.nbytes
+    use_kernel = hasattr(os, "copy_file_range")
+    while left:
+        if use_kernel:
+            try:
+                n = os.copy_file_range(src, dst, min(left, 1 << 30), offset)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+                    raise
+                use_kernel = False
+                continue
+        else:
+            data = os.pread(src, min(left, _BLOCK), offset)
+            n = len(data)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(dst, view):]
+        if n == 0:
+            raise DestinationError(f"{r.path}: ended {left} bytes early while copying (changed during the export?); "
+                                   "export again from a checkpoint nobody is writing")
+        offset += n
+        left -= n
 
 
 def write_index(directory, split, tensors: Sequence[OutTensor]) -> None:
@@ -312,15 +352,17 @@ def progress_bar(total, desc, quiet):
                 leave=False)
 
 
-def plan_tensors(plan: ExportPlan, dtype: Optional[str], files: MappedFiles) -> List[OutTensor]:
-    """The plan's tensors as :class:`OutTensor`, reading through ``files``."""
+def plan_tensors(plan: ExportPlan, dtype: Optional[str], files: MappedFiles, *, ranges: bool = False
+                 ) -> List[OutTensor]:
+    """The plan's tensors as :class:`OutTensor`, reading through ``files``; with ``ranges``, stored
+    bytes come as :class:`~.assemble.FileRange` (only :func:`write_shard` consumes those)."""
     requested = dtype_from_name(dtype)
     if requested is None and "F32" in plan.dtypes.values():
         requested = "F32"  # default: the fp32 masters, and every other float in the same dtype
     out = []
     for t in plan.tensors:
         d = out_dtype_for(t, requested)
-        out.append(OutTensor(t.name, d, tuple(t.shape), lambda t=t, d=d: iter_bytes(t, d, files)))
+        out.append(OutTensor(t.name, d, tuple(t.shape), lambda t=t, d=d: iter_bytes(t, d, files, ranges=ranges)))
     return out
 
 
@@ -333,7 +375,7 @@ def write_plan(plan: ExportPlan, dst, *, dtype: Optional[str] = None, max_shard_
     """
     started = time.perf_counter()
     with MappedFiles() as files:
-        tensors = plan_tensors(plan, dtype, files)
+        tensors = plan_tensors(plan, dtype, files, ranges=True)
         split = split_shards(tensors, max_shard_size)
         by_name = {t.name: t for t in tensors}
         total = sum(t.nbytes for t in tensors)

@@ -319,7 +319,7 @@ def consolidate_checkpoint(checkpoint_dir, *, tag: Optional[str] = None, dtype: 
         error = e
     all_ranks_ok(error, f"{what}: planning")
     with MappedFiles() as files:
-        tensors = plan_tensors(plan, dtype, files)
+        tensors = plan_tensors(plan, dtype, files, ranges=True)
         report = write_distributed(tensors, checkpoint_dir, max_shard_size=max_shard_size,
                                    config_dir=plan.config_dir, replace_existing=True, what=what)
     return {"action": "written", **report}
