@@ -9,6 +9,7 @@ expressed as ``parts`` (one flat list of pieces per slice, merged along ``cat_di
 ``keep_rows``.
 """
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -62,10 +63,7 @@ class TensorPlan:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def is_byte_copy(self) -> bool:

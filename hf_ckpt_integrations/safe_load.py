@@ -14,6 +14,7 @@ optimizer file whose ``exp_avg`` we never touch costs only its pickle.
 
 import collections
 import io
+import math
 import mmap
 import os
 import pickle
@@ -69,10 +70,7 @@ class TensorRef:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def itemsize(self) -> int:

@@ -16,6 +16,7 @@ Building blocks, used by :func:`write_plan` (offline export) and by the save-tim
 
 import errno
 import json
+import math
 import os
 import shutil
 import sys
@@ -56,10 +57,7 @@ class OutTensor:
 
     @property
     def nbytes(self) -> int:
-        n = DTYPE_SIZES[self.dtype]
-        for s in self.shape:
-            n *= s
-        return n
+        return DTYPE_SIZES[self.dtype] * math.prod(self.shape)
 
 
 def split_shards(tensors: Sequence[OutTensor], max_shard_size=MAX_SHARD_SIZE):

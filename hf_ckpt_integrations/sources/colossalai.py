@@ -201,10 +201,7 @@ def _gathered(info: TensorInfo, local, sources: Sequence[int], me: int, device):
             pieces.append(local.detach())
             continue
         shape = info.holders[src]
-        n = 1
-        for s in shape:
-            n *= s
-        buf = torch.empty(n * dtype.itemsize, dtype=torch.uint8, device=device)
+        buf = torch.empty(math.prod(shape) * dtype.itemsize, dtype=torch.uint8, device=device)
         dist.recv(buf, src=src)  # bytes, so every dtype travels (bf16 included) on gloo and NCCL alike
         pieces.append(buf.view(dtype).view(shape))
     full = pieces[0] if info.shard_dim is None else torch.cat(pieces, dim=info.shard_dim)

@@ -7,6 +7,7 @@ ZeRO-1/2 placements are then proven against the offsets each file records
 (``param_slice_mappings``).
 """
 
+import math
 import os
 import re
 from collections import OrderedDict
@@ -294,10 +295,7 @@ def _shape(value, path, name):
 
 
 def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return math.prod(shape)
 
 
 def _tensor_pieces(ref: safe_load.TensorRef, start: int, count: int) -> Piece:
