@@ -24,6 +24,7 @@ This module uses only ``torch.distributed`` point-to-point calls and the layout 
 ColossalAI attaches to parameters; it never calls ColossalAI's own gather/unpad helpers.
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
