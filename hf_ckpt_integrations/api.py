@@ -2,7 +2,6 @@
 
 from typing import Optional
 
-from .errors import CheckpointError
 from .sources import build_plan
 from .verify import VerifyReport, verify_plan
 from .writer import MAX_SHARD_SIZE, write_plan

@@ -60,7 +60,7 @@ def inspect_command(args) -> int:
             print(f"merge       {len(names):3d} tensor(s) by {rule}")
     for name, (before, after) in info["padding_removed"].items():
         print(f"padding     {name}: {before} -> {after} rows")
-    print(f"dtypes      " + ", ".join(f"{k}={v}" for k, v in info["dtypes"].items()))
+    print("dtypes      " + ", ".join(f"{k}={v}" for k, v in info["dtypes"].items()))
     print(f"tensors     {info['tensor_count']} ({', '.join(f'{v} {k}' for k, v in info['tensors_by_kind'].items())}), "
           f"{info['parameters']:,} parameters, {info['bytes_fp32']:,} bytes in fp32")
     if info["aliases"]:

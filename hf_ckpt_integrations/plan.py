@@ -10,7 +10,7 @@ expressed as ``parts`` (one flat list of pieces per slice, merged along ``cat_di
 """
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 __all__ = ["Piece", "TensorPlan", "ExportPlan", "DTYPE_NAMES", "dtype_from_name"]

@@ -20,7 +20,7 @@ import os
 import pickle
 import struct
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 from .errors import CheckpointError, UnsafeCheckpointError

@@ -22,7 +22,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 from huggingface_hub import split_state_dict_into_shards_factory
 

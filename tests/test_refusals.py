@@ -3,7 +3,6 @@
 import os
 import shutil
 import sys
-import zipfile
 
 import pytest
 import torch

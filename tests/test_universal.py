@@ -3,9 +3,8 @@
 import json
 
 import pytest
-import torch
 
-from conftest import ENGINES, build_case, torchrun
+from conftest import ENGINES, torchrun
 from hf_ckpt_integrations import export_checkpoint, safe_load
 from hf_ckpt_integrations.integrations.deepspeed import derive_universal_checkpoint_info
 from hf_ckpt_integrations.sources.tp_rules import hf_plans_for
