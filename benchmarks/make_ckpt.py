@@ -13,6 +13,7 @@ Launched by ``export_bench.py`` as ``torchrun --standalone --nproc_per_node 2 ma
 """
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
