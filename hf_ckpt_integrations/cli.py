@@ -46,7 +46,8 @@ def inspect_command(args) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return EXIT_OK
-    print(f"engine      {info['engine']} (ZeRO stage {info['zero_stage']})")
+    stage = f" (ZeRO stage {info['zero_stage']})" if info["zero_stage"] is not None else ""
+    print(f"engine      {info['engine']}{stage}")
     print(f"tag         {info['tag']}   source {info['source']}")
     print(f"world       dp={info['dp_size']} mp={info['mp_size']} (mp axis: {info['mp_axis']})")
     if info["mp_axis_reason"]:

@@ -16,7 +16,7 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
     if not os.path.isdir(src):
         raise CheckpointError(f"{src}: is a file; pass the directory that holds it (a DeepSpeed save dir, "
                               "tag dir or Trainer checkpoint-N dir)")
-    from . import deepspeed, universal
+    from . import deepspeed, hf_dir, universal
 
     # A universal checkpoint (ds_to_universal output): the directory itself, or a tag naming one.
     for cand in ([os.path.join(src, tag)] if tag else []) + [src]:
@@ -27,4 +27,19 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
             if config_dir is not None:
                 deepspeed.drop_tied_aliases(plan)
             return plan
+    # An HF-format directory (ColossalAI's own save, save_pretrained, an earlier export) — unless it
+    # also holds a DeepSpeed checkpoint (a Trainer checkpoint-N), whose fp32 masters come first.
+    if tag is None and hf_dir.is_hf_dir(src) and not _has_deepspeed(src):
+        config_dir = config if config is not None else deepspeed.find_config_dir([src])
+        return hf_dir.build_plan(src, config_dir=config_dir)
     return deepspeed.build_plan(src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules)
+
+
+def _has_deepspeed(src):
+    from . import deepspeed
+
+    try:
+        deepspeed.resolve_tag_dir(src)
+        return True
+    except CheckpointError:
+        return False

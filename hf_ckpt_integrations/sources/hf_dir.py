@@ -1,0 +1,71 @@
+"""An HF-format directory (safetensors or ``.bin``, sharded or not) -> :class:`~..plan.ExportPlan`.
+
+What ColossalAI's own ``booster.save_model`` writes (``pytorch_model-00001.bin`` + index), what
+``save_pretrained`` writes, and what this package exports. ``inspect`` reports the storage-bloat
+audit of every weight file (seed 002: ``.bin`` files whose tensors are views of larger
+storages); ``export`` rewrites the tensors as lean safetensors; ``verify`` compares against it.
+"""
+
+import json
+import os
+from typing import Dict, List, Optional
+
+from .. import lean, safe_load
+from ..errors import CheckpointError, LayoutError
+from ..plan import ExportPlan, Piece, TensorPlan
+from ..verify import read_hf_dir
+
+__all__ = ["is_hf_dir", "build_plan"]
+
+_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_SINGLES = ("model.safetensors", "pytorch_model.bin")
+
+
+def is_hf_dir(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, n)) for n in _INDEXES + _SINGLES)
+
+
+def _bin_files(path: str) -> List[str]:
+    index = os.path.join(path, "pytorch_model.bin.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as fh:
+                return sorted(set(json.load(fh)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: unreadable index ({e}); save the model again") from e
+    return ["pytorch_model.bin"]
+
+
+def build_plan(path: str, *, config_dir: Optional[str] = None) -> ExportPlan:
+    path = os.path.abspath(path)
+    tensors: Dict[str, TensorPlan] = {}
+    if any(os.path.isfile(os.path.join(path, n)) for n in ("model.safetensors", "model.safetensors.index.json")):
+        for name, (f, dtype, shape, offset, nbytes) in read_hf_dir(path).items():
+            tensors[name] = TensorPlan(name, shape, dtype, [[Piece(f, offset, nbytes // safe_load.DTYPE_SIZES[dtype],
+                                                                   dtype)]], kind="module")
+    else:
+        for fname in _bin_files(path):
+            f = os.path.join(path, fname)
+            state = safe_load.load(f)
+            if not isinstance(state, dict):
+                raise LayoutError(f"{f}: holds a {type(state).__name__}, not a state dict; save it with "
+                                  "model.state_dict()")
+            for name, ref in state.items():
+                if not isinstance(ref, safe_load.TensorRef):
+                    continue
+                offset, _ = ref.byte_range()
+                tensors[str(name)] = TensorPlan(str(name), ref.shape, ref.dtype,
+                                                [[Piece(f, offset, ref.numel, ref.dtype)]], kind="module")
+    if not tensors:
+        raise CheckpointError(f"{path}: no tensors in its weight files; save the model again")
+    report = lean.audit(path)
+    notes = [f"{name}: {r['storage_bytes']:,} storage bytes for {r['tensor_bytes']:,} tensor bytes "
+             f"(x{r['ratio']})" + (" — bloated: views of larger storages (seed 002); export writes only "
+                                   "each tensor's own bytes" if r["ratio"] > 1.01 else "")
+             for name, r in report["files"].items()]
+    dtypes = {t.src_dtype for t in tensors.values()}
+    files = sorted({p.path for t in tensors.values() for part in t.parts for p in part})
+    return ExportPlan(engine="hf-directory", source=path, tag=None, stage=None, dp_size=1, mp_size=1,
+                      mp_axis="none", tensors=list(tensors.values()),
+                      dtypes={"module": dtypes.pop()} if len(dtypes) == 1 else {},
+                      config_dir=config_dir, files=files, notes=notes)
