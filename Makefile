@@ -3,7 +3,7 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test test-main test-cai docs bench clean
+.PHONY: help setup demo test test-main test-cai docs bench fuzz clean
 
 help:
 	@echo "make demo   - train a tiny Llama under DeepSpeed ZeRO-3, export, verify, reload"
@@ -11,6 +11,7 @@ help:
 	@echo "make setup  - build .venv and .venv-cai (idempotent)"
 	@echo "make docs   - build the documentation site (mkdocs --strict) into site/"
 	@echo "make bench  - benchmark hf-ckpt export against zero_to_fp32.py (not part of make test)"
+	@echo "make fuzz   - the hostile-input fuzz tests with many more cases than make test runs"
 
 setup:
 	@scripts/setup-venv.sh .venv requirements/main.txt
@@ -32,6 +33,9 @@ docs: setup
 
 bench: setup
 	.venv/bin/python benchmarks/export_bench.py
+
+fuzz: setup
+	HFCKPT_FUZZ_EXAMPLES=$${HFCKPT_FUZZ_EXAMPLES:-5000} .venv/bin/python -m pytest tests/test_reliability.py -k fuzz -q
 
 clean:
 	rm -rf .venv .venv-cai .test-cache site
