@@ -48,8 +48,9 @@ Columns:
   alone); "read" is the bytes of the checkpoint files resident afterwards (`mincore`), i.e. what the
   tool pulled from disk, kernel read-ahead included.
 - **peak RSS**: `ru_maxrss` of the child from `os.wait4` (for torchrun: the largest process of the
-  tree). RSS counts the file pages a process has mapped and touched, so for our mmap-based copy it
-  includes the source pages of the shard being copied — page cache, reclaimable, not heap.
+  tree). RSS counts the file pages a process has mapped and touched: the fp32 byte copy uses
+  `os.copy_file_range` and maps nothing (flat 28 MB); the bf16 cast imports torch and reads the
+  masters through `mmap`, so its RSS includes those pages — page cache, reclaimable, not heap.
 - **written**: bytes in the output directory.
 - The floor is `cp -r` of our own output directory plus `sync` of its files, because `hf-ckpt`
   fsyncs every shard before the rename (neither `zero_to_fp32.py` nor DCP's consolidation fsync).
