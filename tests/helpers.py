@@ -30,3 +30,21 @@ def load_safetensors(path):
     from safetensors.torch import load_file
 
     return load_file(str(path))
+
+
+def load_hf_state(directory, dtype):
+    """``from_pretrained(directory)``'s state dict, asserting no missing/unexpected/mismatched keys."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.state_dict()
+
+
+def assert_bitwise_equal(state, reference):
+    """Every tensor of ``reference`` is in ``state`` with the same dtype and the same bits."""
+    import torch
+
+    assert set(reference) <= set(state), sorted(set(reference) - set(state))
+    for name, want in reference.items():
+        assert state[name].dtype == want.dtype and torch.equal(state[name], want), name

@@ -9,22 +9,11 @@ import json
 import pytest
 import torch
 
+from helpers import assert_bitwise_equal as _assert_equal
+from helpers import load_hf_state as _load
 from helpers import load_safetensors
 
 pytestmark = pytest.mark.engine
-
-
-def _load(directory, dtype):
-    from transformers import AutoModelForCausalLM
-
-    model, info = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    return model.state_dict()
-
-
-def _assert_equal(state, reference):
-    for name, want in reference.items():
-        assert state[name].dtype == want.dtype and torch.equal(state[name], want), name
 
 
 def _assert_lean_bin(directory, reference):

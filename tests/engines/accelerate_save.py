@@ -8,7 +8,6 @@ hooked ``accelerator.save_model``: ``OUT/hf/`` (safetensors, sharded at 300KB), 
 ``OUT/state/`` from ``accelerator.save_state`` (with the HF copy); ``OUT/metrics/rank{r}.json``.
 """
 import argparse
-import os
 import resource
 import sys
 import time
@@ -34,10 +33,8 @@ def main():
 
     common.init_cpu_deepspeed_state()
 
-    import deepspeed
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, DummyOptim
-    from deepspeed.utils import safe_get_full_fp32_param
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
@@ -70,14 +67,7 @@ def main():
         optimizer.zero_grad()
 
     module = accelerator.unwrap_model(model)
-    named = list(module.named_parameters())
-    masters = {}
-    for name, param in named:
-        full = safe_get_full_fp32_param(param)
-        if full is not None:
-            masters[name] = full.detach().cpu().clone().contiguous()
-    with deepspeed.zero.GatheredParameters([q for _, q in named], enabled=args.stage == 3):
-        weights = {n: q.detach().cpu().clone().contiguous() for n, q in named}
+    masters, weights = common.engine_weights(module, zero3=args.stage == 3)
     ref = args.out / "reference"
     if rank == 0:
         ref.mkdir(parents=True, exist_ok=True)

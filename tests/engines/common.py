@@ -64,3 +64,24 @@ def init_cpu_deepspeed_state():
     state = PartialState(backend="gloo")
     assert state.num_processes == int(os.environ.get("WORLD_SIZE", "1")), state
     return state
+
+
+def engine_weights(model, *, zero3):
+    """The engine's own view of ``model``'s weights: ``(masters, module)``.
+
+    ``masters``: fp32 master of every trained parameter (``safe_get_full_fp32_param``);
+    ``module``: every parameter in the training dtype, gathered with ``GatheredParameters``
+    under ZeRO-3. Collective: every rank calls it; every rank gets full CPU copies.
+    """
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    named = list(model.named_parameters())
+    masters = {}
+    for name, param in named:
+        full = safe_get_full_fp32_param(param)
+        if full is not None:
+            masters[name] = full.detach().cpu().clone().contiguous()
+    with deepspeed.zero.GatheredParameters([q for _, q in named], enabled=zero3):
+        module = {n: q.detach().cpu().clone().contiguous() for n, q in named}
+    return masters, module

@@ -71,7 +71,6 @@ def main():
     args = p.parse_args()
 
     import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
@@ -103,12 +102,7 @@ def main():
         engine.step()
     engine.save_checkpoint(str(args.out / "ckpt"), tag=f"global_step{args.steps}")
 
-    named = list(engine.module.named_parameters())
-    masters = {}
-    for name, param in named:
-        full = safe_get_full_fp32_param(param)
-        if full is not None:
-            masters[name] = full.detach().cpu().clone().contiguous()
+    masters, _ = common.engine_weights(engine.module, zero3=args.stage == 3)
     shapes = {n: list(t.shape) for n, t in masters.items()}
     if args.mode == "autotp":
         # Each rank holds TP slices: gather every replaced layer with DeepSpeed's own helper

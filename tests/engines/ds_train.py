@@ -11,7 +11,6 @@ Launched by the tests as ``torchrun --standalone --nproc_per_node N ds_train.py 
 - ``OUT/reference/logits.pt``: the engine's logits on ``common.probe_input()``.
 """
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -31,7 +30,6 @@ def main():
     args = p.parse_args()
 
     import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
@@ -68,16 +66,7 @@ def main():
 
     # References, taken from the engine itself. Every call below is a collective.
     named = list(engine.module.named_parameters())
-    masters = {}
-    for name, param in named:
-        full = safe_get_full_fp32_param(param)
-        if full is not None:
-            masters[name] = full.detach().cpu().clone().contiguous()
-    if args.stage == 3:
-        with deepspeed.zero.GatheredParameters([p for _, p in named]):
-            module = {n: p.detach().cpu().clone().contiguous() for n, p in named}
-    else:
-        module = {n: p.detach().cpu().clone().contiguous() for n, p in named}
+    masters, module = common.engine_weights(engine.module, zero3=args.stage == 3)
     engine.eval()
     with torch.no_grad():
         logits = engine(input_ids=common.probe_input()).logits.detach().cpu()

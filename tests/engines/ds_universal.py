@@ -12,7 +12,6 @@
     same global batches, records the losses.
 """
 import argparse
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -40,8 +40,6 @@ def main():
 
     common.init_cpu_deepspeed_state()
 
-    import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
@@ -49,14 +47,7 @@ def main():
         """At each save, record the engine's own view of the weights (collective on all ranks)."""
 
         def on_save(self, targs, state, control, model=None, **kwargs):
-            named = list(model.named_parameters())
-            masters = {}
-            for name, param in named:
-                full = safe_get_full_fp32_param(param)
-                if full is not None:
-                    masters[name] = full.detach().cpu().clone().contiguous()
-            with deepspeed.zero.GatheredParameters([q for _, q in named], enabled=args.stage == 3):
-                module = {n: q.detach().cpu().clone().contiguous() for n, q in named}
+            masters, module = common.engine_weights(model, zero3=args.stage == 3)
             was_training = model.training
             model.eval()
             with torch.no_grad():
