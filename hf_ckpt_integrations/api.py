@@ -20,15 +20,16 @@ def inspect_checkpoint(src, *, tag: Optional[str] = None, config: Optional[str] 
 
 def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[str] = None,
                       max_shard_size=MAX_SHARD_SIZE, config: Optional[str] = None, overwrite: bool = False,
-                      quiet: bool = True, tp_rules=None) -> dict:
+                      quiet: bool = True, tp_rules=None, workers: int = 1) -> dict:
     """Export ``src`` (DeepSpeed save dir, tag dir or Trainer ``checkpoint-N``) to an HF directory ``dst``.
 
     ``dtype``: ``"fp32"`` (default when the checkpoint has fp32 masters), ``"bf16"`` or ``"fp16"``.
     ``tp_rules``: ``["PATTERN=0|1|replicated", ...]`` for model-parallel parameters nothing else
-    describes. Returns the writer's report. Nothing is written when the checkpoint is refused.
+    describes. ``workers``: shards written at once from a thread pool. Returns the writer's report. Nothing is written when the checkpoint is refused.
     """
     plan = build_plan(src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules)
-    return write_plan(plan, dst, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, quiet=quiet)
+    return write_plan(plan, dst, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, quiet=quiet,
+                      workers=workers)
 
 
 def verify_checkpoint(dst, against, *, tag: Optional[str] = None, config: Optional[str] = None,

@@ -84,6 +84,9 @@ def export_command_parser(subparsers=None):
                    "(default: next to the checkpoint)")
     _tp_rule_arg(p)
     p.add_argument("--overwrite", action="store_true", help="replace dst if it exists (atomically)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="write N shards at once from threads in this process (default 1); under torchrun "
+                        "the ranks split the shards instead")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     p.set_defaults(func=export_command)
     return p
@@ -97,9 +100,14 @@ def export_command(args) -> int:
     from .parallel import world_from_env, write_plan_parallel
 
     # Under `torchrun --nproc_per_node N -m hf_ckpt_integrations export ...` the ranks split the shards.
-    write = write_plan_parallel if world_from_env() > 1 else write_plan
-    report = write(plan, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                   overwrite=args.overwrite, quiet=args.quiet)
+    if args.workers < 1:
+        raise CheckpointError(f"--workers {args.workers}: pass 1 or more")
+    if world_from_env() > 1:
+        report = write_plan_parallel(plan, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                                     overwrite=args.overwrite, quiet=args.quiet)
+    else:
+        report = write_plan(plan, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                            overwrite=args.overwrite, quiet=args.quiet, workers=args.workers)
     if os.environ.get("RANK", "0") != "0":
         return EXIT_OK
     for note in plan.notes:

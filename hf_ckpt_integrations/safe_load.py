@@ -19,6 +19,7 @@ import mmap
 import os
 import pickle
 import struct
+import threading
 import zipfile
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
@@ -320,14 +321,16 @@ class MappedFiles:
 
     def __init__(self):
         self._maps = {}
+        self._lock = threading.Lock()  # the writer's worker threads share one instance
 
     def get(self, path: str) -> mmap.mmap:
-        m = self._maps.get(path)
-        if m is None:
-            with open(path, "rb") as fh:
-                m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            self._maps[path] = m
-        return m
+        with self._lock:
+            m = self._maps.get(path)
+            if m is None:
+                with open(path, "rb") as fh:
+                    m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                self._maps[path] = m
+            return m
 
     def read(self, path: str, offset: int, nbytes: int) -> memoryview:
         return memoryview(self.get(path))[offset:offset + nbytes]

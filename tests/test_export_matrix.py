@@ -110,3 +110,18 @@ def test_verify_api_reports_missing_tensor(engine_ckpt, tmp_path):
     (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
     report = verify_checkpoint(tmp_path / "hf", src)
     assert not report.ok and all("missing" in d for d in report.differences)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_workers_write_the_same_bytes(dtype, engine_ckpt, tmp_path):
+    """--workers N writes shards from threads: every file identical to a one-worker export."""
+    src, config, _, _ = paths("z3-bf16", engine_ckpt("z3-bf16"))
+    one = export_checkpoint(src, tmp_path / "one", dtype=dtype, config=str(config), max_shard_size="100KB")
+    assert one["shards"] > 2
+    r = hf_ckpt("export", src, tmp_path / "four", "--dtype", dtype, "--config", config, "--max-shard-size", "100KB",
+                "--workers", "4", "--quiet")
+    assert r.returncode == 0, r.stderr
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "four").iterdir())
+    for n in names:
+        assert (tmp_path / "one" / n).read_bytes() == (tmp_path / "four" / n).read_bytes(), n
