@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+from procs import wait_or_stop  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 ENGINES = REPO / "tests" / "engines"
 ENGINE_TIMEOUT_S = 900
@@ -92,8 +95,11 @@ def torchrun(script, nproc, args, *, log, timeout=ENGINE_TIMEOUT_S, env=None):
            str(script), *map(str, args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                 "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    with open(log, "w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env, timeout=timeout, cwd=REPO)
+    with open(log, "w") as fh:  # a file, not a pipe: torchrun's workers may outlive it
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
+        if not wait_or_stop(proc, timeout):
+            raise RuntimeError(f"{' '.join(cmd)} ran past {timeout} s; log {log}:\n"
+                               f"{Path(log).read_text(errors='replace')[-4000:]}")
     if proc.returncode != 0:
         tail = Path(log).read_text(errors="replace")[-4000:]
         raise RuntimeError(f"{' '.join(cmd)} failed with {proc.returncode}; log {log}:\n{tail}")

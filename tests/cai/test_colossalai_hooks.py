@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from procs import wait_or_stop  # tests/support, on the path via tests/conftest.py
 
 pytest.importorskip("colossalai")
 
@@ -69,15 +70,7 @@ def runs():
         procs[case] = (subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log)
     failed = []
     for case, (proc, log) in procs.items():
-        try:
-            proc.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        wait_or_stop(proc, TIMEOUT_S)
         log.close()
         if proc.returncode != 0:
             failed.append(f"{case} (rc {proc.returncode}):\n{(root / f'{case}.log').read_text()[-4000:]}")

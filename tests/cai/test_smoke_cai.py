@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from procs import wait_or_stop  # tests/support, on the path via tests/conftest.py
 
 pytest.importorskip("colossalai")
 
@@ -71,16 +72,7 @@ def test_hybrid_parallel_tp2_sharded_save(tmp_path):
         # A file, not a pipe: torchrun starts its workers in their own sessions,
         # so a pipe could stay open (and block us) after torchrun itself is gone.
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            proc.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            # SIGTERM lets torchrun stop its workers; SIGKILL only as a last resort.
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if not wait_or_stop(proc, TIMEOUT_S):
             pytest.fail(f"smoke run exceeded {TIMEOUT_S} s:\n{log_path.read_text()[-6000:]}")
     output = log_path.read_text()
     assert proc.returncode == 0, output[-6000:]
