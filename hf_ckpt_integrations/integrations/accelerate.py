@@ -57,6 +57,17 @@ def _write_config(model, directory) -> None:
             gen.save_pretrained(directory)
 
 
+def _write_config_on_rank0(module, directory) -> None:
+    """Rank 0 writes config.json; a failure there raises on every rank. Collective."""
+    error = None
+    if rank_world()[0] == 0:
+        try:
+            _write_config(module, directory)
+        except Exception as e:
+            error = e
+    all_ranks_ok(error, f"writing config.json into {directory}")
+
+
 def save_model(accelerator, model, save_directory, max_shard_size=_ACCELERATE_DEFAULT_SHARD,
                safe_serialization: bool = True, *, dtype: Optional[str] = None) -> dict:
     """What the hooked ``accelerator.save_model`` runs. Collective: every rank calls it.
@@ -74,13 +85,7 @@ def save_model(accelerator, model, save_directory, max_shard_size=_ACCELERATE_DE
                                collective=is_zero3_module(module), replace_existing=True,
                                fmt="safetensors" if safe_serialization else "bin",
                                what=f"accelerator.save_model into {save_directory}")
-    error = None
-    if rank_world()[0] == 0:
-        try:
-            _write_config(module, save_directory)
-        except Exception as e:
-            error = e
-    all_ranks_ok(error, f"writing config.json into {save_directory}")
+    _write_config_on_rank0(module, save_directory)
     return report
 
 
@@ -95,13 +100,7 @@ def _save_state_pre_hook(accelerator, dtype, max_shard_size):
             return
         # save_state has already run model.save_checkpoint(output_dir, "pytorch_model") on all ranks.
         module = accelerator.unwrap_model(models[0])
-        error = None
-        if rank_world()[0] == 0:
-            try:
-                _write_config(module, output_dir)
-            except Exception as e:
-                error = e
-        all_ranks_ok(error, f"writing config.json into {output_dir}")
+        _write_config_on_rank0(module, output_dir)
         consolidate_checkpoint(output_dir, tag="pytorch_model", dtype=dtype or _training_dtype(module),
                                max_shard_size=max_shard_size,
                                what=f"accelerator.save_state HF copy in {output_dir}")
