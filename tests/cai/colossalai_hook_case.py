@@ -20,6 +20,7 @@ from pathlib import Path
 
 _TESTS_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_TESTS_DIR / "support"))
+sys.path.insert(0, str(_TESTS_DIR / "engines"))
 
 import colossalai_cpu_shim  # noqa: E402  (test-support module, see its docstring)
 
@@ -42,11 +43,10 @@ CASES = {
 
 
 def tiny_llama_config(tied: bool = False):
-    from transformers import LlamaConfig
+    """The matrix's tiny Llama (tests/engines/common.py), vocabulary 1001."""
+    from common import tiny_llama_config as base
 
-    return LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                       tie_word_embeddings=tied)
+    return base(tie_word_embeddings=tied, vocab_size=VOCAB_SIZE)
 
 
 def make_batch():
