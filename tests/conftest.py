@@ -1,7 +1,8 @@
 """Test harness: real engines in real processes, built once and cached.
 
 ``engine_ckpt(name)`` launches ``tests/engines/<script>`` with ``torchrun --standalone`` on CPU
-(DeepSpeed picks its CPU accelerator and gloo) the first time a case is asked for, and keeps
+(DeepSpeed picks its CPU accelerator and gloo), or with ``accelerate launch --config_file`` for the
+Accelerate cases, the first time a case is asked for, and keeps
 the result under ``.test-cache/`` keyed by the package versions and the engine scripts, so a
 rerun costs nothing. Each case directory holds the engine's checkpoint and the reference
 weights the engine itself reported at save time.
@@ -23,12 +24,15 @@ from procs import wait_or_stop  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINES = REPO / "tests" / "engines"
+ACCELERATE_CONFIGS = ENGINES / "accelerate"  # real `accelerate launch` config files + their DeepSpeed JSON
 ENGINE_TIMEOUT_S = 900
 
 # ColossalAI tests run in .venv-cai only (`make test-cai`).
 collect_ignore = [] if importlib.util.find_spec("colossalai") else ["cai"]
 
-# name -> (script, nproc, args). Each is one real multi-process run.
+# name -> (script, nproc, args). Each is one real multi-process run under torchrun, except the
+# Accelerate cases: ACCELERATE[name] is the config file `accelerate launch` gets (nproc comes from it).
+ACCELERATE = {"acc-z1-bf16": "zero1_bf16.yaml", "acc-z3": "zero3.yaml", "acc-autotp-z2-bf16": "autotp_zero2_bf16.yaml"}
 CASES = {
     **{f"z{s}-{d}": ("ds_train.py", 2, ["--stage", str(s), "--dtype", d]) for s in (1, 2, 3) for d in ("fp32", "bf16")},
     **{f"z{s}-frozen": ("ds_train.py", 2, ["--stage", str(s), "--variant", "frozen"]) for s in (1, 2, 3)},
@@ -42,9 +46,8 @@ CASES = {
     # (Trainer refuses bf16=True on a CPU-only machine, so these train in fp32.)
     "cb-z2-last": ("trainer_callback_run.py", 2, ["--stage", "2", "--cb-dtype", "bf16", "--checkpoints", "last"]),
     "cb-z3-gather": ("trainer_callback_run.py", 2, ["--stage", "3", "--gather-on-save", "--final"]),
-    # install_accelerate_hooks (tests/test_accelerate_hooks.py)
-    "acc-z1-bf16": ("accelerate_save.py", 2, ["--stage", "1", "--bf16"]),
-    "acc-z3": ("accelerate_save.py", 2, ["--stage", "3"]),
+    # install_accelerate_hooks (tests/test_accelerate_hooks.py), launched by `accelerate launch`.
+    **{name: ("accelerate_save.py", 2, []) for name in ACCELERATE},
     # Seed 000: an mpu whose model-parallel axis holds replicas (sequence parallel).
     "replica-z2": ("ds_parallel_train.py", 2, ["--mode", "replica", "--stage", "2"]),
     "replica-z3": ("ds_parallel_train.py", 2, ["--mode", "replica", "--stage", "3"]),
@@ -77,6 +80,8 @@ def _cache_key(script: str) -> str:
         except md.PackageNotFoundError:
             h.update(f"{pkg}=none;".encode())
     paths = [ENGINES / script, ENGINES / "common.py"]
+    if any(CASES[name][0] == script for name in ACCELERATE):
+        paths += sorted(ACCELERATE_CONFIGS.iterdir())
     if "hf_ckpt_integrations" in (ENGINES / script).read_text():
         # The run itself calls the package (save-time hooks): its code is part of the result.
         paths += sorted((REPO / "hf_ckpt_integrations").rglob("*.py"))
@@ -89,10 +94,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("HFCKPT_TEST_CACHE", REPO / ".test-cache")) / "engines"
 
 
-def torchrun(script, nproc, args, *, log, timeout=ENGINE_TIMEOUT_S, env=None):
-    """Run ``script`` under torchrun on CPU; raise with the log tail when it fails."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(script), *map(str, args)]
+def torchrun(script, nproc, args, *, log, timeout=ENGINE_TIMEOUT_S, env=None, accelerate_config=None):
+    """Run ``script`` under torchrun on CPU (or ``accelerate launch --config_file accelerate_config``,
+    which itself runs torchrun); raise with the log tail when it fails."""
+    if accelerate_config:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd += [str(script), *map(str, args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                 "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "w") as fh:  # a file, not a pipe: torchrun's workers may outlive it
@@ -113,7 +122,8 @@ def build_case(name: str) -> Path:
     tmp = out.with_name(out.name + ".building")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    torchrun(ENGINES / script, nproc, [tmp, *args], log=tmp.parent / f"{out.name}.log")
+    config = ACCELERATE_CONFIGS / ACCELERATE[name] if name in ACCELERATE else None
+    torchrun(ENGINES / script, nproc, [tmp, *args], log=tmp.parent / f"{out.name}.log", accelerate_config=config)
     (tmp / "DONE").write_text("ok\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

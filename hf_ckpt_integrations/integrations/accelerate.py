@@ -1,12 +1,14 @@
 """``install_accelerate_hooks(accelerator)``: ``accelerator.save_model`` writes a complete, lean HF directory.
 
 After the call, ``accelerator.save_model(model, dir, max_shard_size=..., safe_serialization=...)``
-keeps its signature and meaning, but (for DeepSpeed ZeRO-1/2/3, DDP and single-process models):
+keeps its signature and meaning, but (for DeepSpeed ZeRO-1/2/3 with or without AutoTP, DDP and
+single-process models):
 
 - weights come from :mod:`..sources.live`: under ZeRO-3 one parameter is gathered at a time and
   streamed into its shard (works with ``stage3_gather_16bit_weights_on_model_save`` false, where
   Accelerate raises ``ValueError``); under ZeRO-1/2 each parameter's own bytes are read in place
-  (no ``clone_tensors_for_torch_save`` of the whole state dict);
+  (no ``clone_tensors_for_torch_save`` of the whole state dict); under AutoTP each layer's slices
+  are gathered when its tensors are written (full shapes: the uneven vocab split is undone);
 - shards are spread over the ranks (shard ``i`` by rank ``i % world_size`` from
   ``torch.distributed``), staged, and moved into place only when every rank succeeded;
 - ``safe_serialization=False`` writes ``pytorch_model*.bin`` whose tensors own exactly their
@@ -19,8 +21,8 @@ With ``save_state_weights=True`` a save-state pre-hook also makes each ``acceler
 directory loadable with ``from_pretrained(dir)``: under DeepSpeed the HF weights are written from
 the ZeRO checkpoint ``save_state`` has just written (the exact state ``load_state`` restores).
 
-Not handled (the original ``save_model`` runs): FSDP, XLA, Megatron-LM, DeepSpeed AutoTP
-(``tensor_parallel.autotp_size > 1``) — see ``docs/integrations/accelerate.md``.
+Not handled (the original ``save_model`` runs): FSDP, XLA, Megatron-LM — see
+``docs/integrations/accelerate.md``.
 """
 
 import functools
@@ -42,10 +44,8 @@ def _supported(accelerator) -> bool:
     from accelerate.utils import DistributedType
 
     dt = accelerator.distributed_type
-    if dt == DistributedType.DEEPSPEED:
-        cfg = accelerator.state.deepspeed_plugin.deepspeed_config if accelerator.state.deepspeed_plugin else {}
-        return (cfg.get("tensor_parallel", {}) or {}).get("autotp_size", 0) in (0, 1, None)
-    return dt in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+    return dt in (DistributedType.DEEPSPEED, DistributedType.NO, DistributedType.MULTI_CPU,
+                  DistributedType.MULTI_GPU)
 
 
 def _write_config(model, directory) -> None:
@@ -75,14 +75,14 @@ def save_model(accelerator, model, save_directory, max_shard_size=_ACCELERATE_DE
     ``dtype``: ``None`` keeps the training dtype of each tensor. Returns the writer's report.
     Raises :class:`~._dist.SaveError` on every rank when any rank failed.
     """
-    from ..sources.live import is_zero3_module, live_tensors
+    from ..sources.live import live_tensors, reads_are_collective
 
     if os.path.isfile(save_directory):
         raise SaveError("accelerator.save_model", {rank_world()[0]: f"{save_directory} is a file, not a directory"})
     module = accelerator.unwrap_model(model)
     tensors = live_tensors(module, dtype=dtype)
     report = write_distributed(tensors, save_directory, max_shard_size=max_shard_size,
-                               collective=is_zero3_module(module), replace_existing=True,
+                               collective=reads_are_collective(module), replace_existing=True,
                                fmt="safetensors" if safe_serialization else "bin",
                                what=f"accelerator.save_model into {save_directory}")
     _write_config_on_rank0(module, save_directory)

@@ -7,20 +7,26 @@ Nothing is copied up front. Each tensor's ``chunks()`` yields its own bytes when
 - ZeRO-3: the parameter is gathered with ``deepspeed.zero.GatheredParameters`` just for the time
   its bytes are written, then re-partitioned. The gather is a collective: every rank must walk
   the same tensors in the same order (:func:`~..writer.shard_order` within each shard); ranks
-  that do not write a shard call ``drain()``, which gathers and drops.
+  that do not write a shard call ``drain()``, which gathers and drops;
+- DeepSpeed AutoTP (``tensor_parallel.autotp_size``): the parameter's layer gathers its slices
+  with the layer's own ``gather_params`` (the inverse of the split it made, uneven vocab splits
+  included), also a collective, and the parameter gets back its original ``.data`` afterwards —
+  not DeepSpeed's re-split copy, which under ZeRO-1/2 would no longer be a view of the flat
+  buffer the optimizer updates.
 
 Names and order are the module's ``state_dict()`` (persistent buffers included); a tensor
 reached under two names (tied weights) is written once, under its first name, as
 ``save_pretrained`` does.
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 from ..plan import dtype_from_name
 from ..writer import OutTensor
 
-__all__ = ["LiveTensor", "live_tensors", "is_zero3_module"]
+__all__ = ["LiveTensor", "live_tensors", "reads_are_collective"]
 
 _ST_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
@@ -56,8 +62,10 @@ def _own_bytes(t, cast):
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def is_zero3_module(module) -> bool:
-    return any(hasattr(p, "ds_id") and hasattr(p, "ds_shape") for p in module.parameters())
+def reads_are_collective(module) -> bool:
+    """True when reading a parameter is a collective (ZeRO-3 partitions, AutoTP slices)."""
+    return any((hasattr(p, "ds_id") and hasattr(p, "ds_shape")) or getattr(p, "ds_is_replaced_module", False)
+               for p in module.parameters())
 
 
 def live_tensors(module, *, dtype: Optional[str] = None) -> List[LiveTensor]:
@@ -71,6 +79,7 @@ def live_tensors(module, *, dtype: Optional[str] = None) -> List[LiveTensor]:
     st_target = dtype_from_name(dtype)
     cast = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(st_target)
     state = module.state_dict(keep_vars=True)
+    owners = dict(module.named_modules())
     seen = set()
     out: List[LiveTensor] = []
     for name, t in state.items():
@@ -83,7 +92,10 @@ def live_tensors(module, *, dtype: Optional[str] = None) -> List[LiveTensor]:
         seen.add(key)
         floating = t.is_floating_point()
         out_dtype = st_target if (st_target and floating) else _st_dtype(t.dtype)
-        if hasattr(t, "ds_id") and hasattr(t, "ds_shape"):
+        owner = owners.get(name.rpartition(".")[0])
+        if getattr(t, "ds_is_replaced_module", False):
+            out.append(_autotp_tensor(name, t, owner, out_dtype, cast))
+        elif hasattr(t, "ds_id") and hasattr(t, "ds_shape"):
             out.append(_zero3_tensor(name, t, out_dtype, cast))
         else:
             out.append(LiveTensor(name, out_dtype, tuple(t.shape), lambda t=t: iter((_own_bytes(t, cast),))))
@@ -105,3 +117,43 @@ def _zero3_tensor(name, param, out_dtype, cast) -> LiveTensor:
             pass
 
     return LiveTensor(name, out_dtype, tuple(param.ds_shape), chunks, drain)
+
+
+def _autotp_full_shape(name, param, owner):
+    """The shape before AutoTP split ``param`` (recorded by the replaced layer)."""
+    for attr, shape_attr in (("weight", "_orig_weight_shape"), ("bias", "_orig_bias_shape")):
+        if owner is not None and getattr(owner, attr, None) is param and getattr(owner, shape_attr, None):
+            return tuple(getattr(owner, shape_attr))
+    raise ValueError(f"{name}: DeepSpeed AutoTP layer {type(owner).__name__} records no original shape for this "
+                     "parameter; save it with engine.save_checkpoint and export offline (hf-ckpt export)")
+
+
+def _autotp_tensor(name, param, owner, out_dtype, cast) -> LiveTensor:
+    full_shape = _autotp_full_shape(name, param, owner)
+    zero3 = hasattr(param, "ds_id")
+
+    @contextlib.contextmanager
+    def gathered():
+        import deepspeed
+
+        own = list(owner.parameters(recurse=False))  # the layer gathers its parameters together
+        with deepspeed.zero.GatheredParameters(own, modifier_rank=None, enabled=zero3):
+            saved = [p.data for p in own]
+            param.gather_params(own)
+            try:
+                if tuple(param.shape) != full_shape:
+                    raise ValueError(f"{name}: AutoTP gather gave shape {tuple(param.shape)}, expected {full_shape}")
+                yield param.data
+            finally:
+                for p, data in zip(own, saved):
+                    p.data = data
+
+    def chunks():
+        with gathered() as full:
+            yield _own_bytes(full, cast)
+
+    def drain():
+        with gathered():
+            pass
+
+    return LiveTensor(name, out_dtype, full_shape, chunks, drain)

@@ -1,6 +1,7 @@
 """Train a tiny Llama with Accelerate + DeepSpeed ZeRO, then save through ``install_accelerate_hooks``.
 
-``torchrun --standalone --nproc_per_node 2 accelerate_save.py OUT --stage S [--bf16] [--gather-on-save]``.
+``accelerate launch --config_file tests/engines/accelerate/<name>.yaml accelerate_save.py OUT``: the
+DeepSpeed setup (ZeRO stage, bf16, AutoTP) comes from that real config file, as a user's would.
 Writes ``OUT/reference/{master,module}.safetensors`` (the engine's own weights), then through the
 hooked ``accelerator.save_model``: ``OUT/hf/`` (safetensors, sharded at 300KB), ``OUT/bin/``
 (``safe_serialization=False``, sharded); for ZeRO-1/2 also ``OUT/bloat/pytorch_model.bin`` (a plain
@@ -26,64 +27,74 @@ def peak_mb():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
-    p.add_argument("--stage", type=int, required=True)
-    p.add_argument("--bf16", action="store_true")
-    p.add_argument("--gather-on-save", action="store_true")
     args = p.parse_args()
 
     common.init_cpu_deepspeed_state()
 
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, DummyOptim
+    from accelerate.utils import DummyOptim
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
     from hf_ckpt_integrations import install_accelerate_hooks
 
-    ds_config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": args.stage,
-                              "stage3_gather_16bit_weights_on_model_save": args.gather_on_save},
-        "bf16": {"enabled": args.bf16},
-        "steps_per_print": 10**9,
-    }
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config),
-                              mixed_precision="bf16" if args.bf16 else "no")
+    accelerator = Accelerator()  # everything from the config file accelerate launch was given
     install_accelerate_hooks(accelerator, save_state_weights=True)
     rank = torch.distributed.get_rank()
     assert accelerator.num_processes == torch.distributed.get_world_size() == 2
+    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+    stage = ds_config["zero_optimization"]["stage"]
+    tp = ds_config.get("tensor_parallel", {}).get("autotp_size", 1)
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(common.tiny_llama_config())
     optimizer = DummyOptim(model.parameters())
     model, optimizer = accelerator.prepare(model, optimizer)
     for step in range(2):
-        ids = common.fixed_batch(step, rank=rank)
+        ids = common.fixed_batch(step, rank=rank // tp)  # TP ranks of one replica see the same batch
         loss = model(input_ids=ids, labels=ids).loss
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
 
     module = accelerator.unwrap_model(model)
-    masters, weights = common.engine_weights(module, zero3=args.stage == 3)
     ref = args.out / "reference"
-    if rank == 0:
-        ref.mkdir(parents=True, exist_ok=True)
-        save_file(masters, str(ref / "master.safetensors"))
-        save_file(weights, str(ref / "module.safetensors"))
-    del weights, masters
+    if tp == 1:
+        masters, weights = common.engine_weights(module, zero3=stage == 3)
+        if rank == 0:
+            ref.mkdir(parents=True, exist_ok=True)
+            save_file(masters, str(ref / "master.safetensors"))
+            save_file(weights, str(ref / "module.safetensors"))
+        del weights, masters
     torch.distributed.barrier()
 
-    metrics = {"rss_before_save_mb": peak_mb()}
+    metrics = {"rss_before_save_mb": peak_mb(), "stage": stage, "autotp_size": tp}
+    data_ptrs = {n: q.data_ptr() for n, q in module.named_parameters()}
     t = time.perf_counter()
     report = accelerator.save_model(model, args.out / "hf", max_shard_size="300KB")
     metrics["save_model_seconds"] = round(time.perf_counter() - t, 3)
     metrics["peak_rss_after_save_mb"] = peak_mb()
     metrics["written_here"] = report["written_here"]
     accelerator.save_model(model, args.out / "bin", max_shard_size="300KB", safe_serialization=False)
-    if args.stage != 3 and rank == 0:
+    # The saves leave every parameter's storage where ZeRO's optimizer writes (a view of its flat
+    # buffer under ZeRO-1/2): training after a save goes on with the same tensors.
+    metrics["data_ptr_changed_by_save"] = sorted(n for n, q in module.named_parameters() if q.data_ptr() != data_ptrs[n])
+    if tp > 1:
+        # The engine's own view of the AutoTP weights: DeepSpeed's gather of each replaced layer
+        # (fp32 masters are not kept per layer by AutoTP + ZeRO-1/2, so only the module weights).
+        from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+        weights = {}
+        for mname, mod in module.named_modules():
+            own = list(mod.named_parameters(recurse=False))
+            with GatherReplacedLayerParams([q for _, q in own], mod, enabled=True):
+                for n, q in own:
+                    weights[f"{mname}.{n}" if mname else n] = q.detach().cpu().clone().contiguous()
+        if rank == 0:
+            ref.mkdir(parents=True, exist_ok=True)
+            save_file(weights, str(ref / "module.safetensors"))
+        del weights
+    if stage != 3 and tp == 1 and rank == 0:
         # What a plain torch.save of one shard of ZeRO-1/2's flat-buffer views does (seed 002):
         # two small tensors, but each drags its whole flat buffer into the file.
         (args.out / "bloat").mkdir(parents=True, exist_ok=True)
