@@ -94,16 +94,32 @@ def cache_root() -> Path:
     return Path(os.environ.get("HFCKPT_TEST_CACHE", REPO / ".test-cache")) / "engines"
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def torchrun(script, nproc, args, *, log, timeout=ENGINE_TIMEOUT_S, env=None, accelerate_config=None):
     """Run ``script`` under torchrun on CPU (or ``accelerate launch --config_file accelerate_config``,
     which itself runs torchrun); raise with the log tail when it fails."""
     if accelerate_config:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config)]
+        # A free port: accelerate launch would otherwise rendezvous on 29500, shared with any
+        # other launch on this machine (torchrun --standalone picks its own).
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config),
+               "--main_process_port", str(_free_port())]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd += [str(script), *map(str, args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                 "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    # DeepSpeed JIT-builds its CPU shm op into ~/.cache/torch_extensions, one directory for every
+    # environment: a run in .venv-cai rebuilds what .venv built (its include paths differ), and a
+    # rebuild while another process loads the .so aborts that process. One directory per venv.
+    full_env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"
+                                                    / f"hfckpt-{Path(sys.prefix).name}"))
     with open(log, "w") as fh:  # a file, not a pipe: torchrun's workers may outlive it
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
         if not wait_or_stop(proc, timeout):

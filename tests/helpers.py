@@ -34,9 +34,12 @@ def load_safetensors(path):
 
 def load_hf_state(directory, dtype):
     """``from_pretrained(directory)``'s state dict, asserting no missing/unexpected/mismatched keys."""
+    import transformers
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, output_loading_info=True)
+    # transformers 5 calls it ``dtype``; 4.51 (the ColossalAI line, .venv-cai) ``torch_dtype``.
+    key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    model, info = AutoModelForCausalLM.from_pretrained(directory, **{key: dtype}, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     return model.state_dict()
 
