@@ -424,10 +424,11 @@ def main(argv=None):
     table = render(results, imports)
     print(table)
     if not args.no_doc:
-        from doc_template import render_doc  # benchmarks/doc_template.py
+        from doc_template import render_doc, save_block  # benchmarks/doc_template.py
 
         DOC.parent.mkdir(exist_ok=True)
-        DOC.write_text(render_doc(table=table, **meta))
+        kept = save_block(DOC.read_text()) if DOC.exists() else ""  # save_bench.py's section, as is
+        DOC.write_text(render_doc(table=table, save_bench=kept, **meta))
         print(f"\nwrote {DOC.relative_to(REPO)}", file=sys.stderr)
     return 0
 
