@@ -111,6 +111,9 @@ def write_shard(path, tensors: Sequence[OutTensor], progress=None) -> int:
                 else:
                     fh.write(chunk)
                 got += len(chunk)
+            # Drop the last chunk now: it may be a gathered parameter (live ZeRO-3 source), which
+            # would otherwise stay alive while the next tensor is gathered.
+            chunk = None
             if got != t.nbytes:
                 raise DestinationError(f"{t.name}: produced {got} bytes, expected {t.nbytes}; please report this "
                                        "with the `hf-ckpt inspect --json` output")

@@ -4,10 +4,17 @@ Nothing is copied up front. Each tensor's ``chunks()`` yields its own bytes when
 
 - ZeRO-1/2 and plain modules: the parameter (often a view into ZeRO's flat buffer, seed 002)
   is read in place — its own bytes only, never the whole storage, never a clone of the state dict;
-- ZeRO-3: the parameter is gathered with ``deepspeed.zero.GatheredParameters`` just for the time
-  its bytes are written, then re-partitioned. The gather is a collective: every rank must walk
-  the same tensors in the same order (:func:`~..writer.shard_order` within each shard); ranks
-  that do not write a shard call ``drain()``, which gathers and drops;
+- ZeRO-3: the parameter is never gathered whole. Its flat bytes are the concatenation of the
+  ranks' partitions (``param.ds_tensor``, the last one padded), so each rank's partition in turn
+  is broadcast from its owner and written straight into the shard: beyond its own partition a
+  rank holds one partition-sized buffer (parameter size / world size), not the parameter, and
+  not DeepSpeed's gather buffers. Persistent parameters (below
+  ``stage3_param_persistence_threshold``) are whole on every rank and read in place; partitions
+  kept off-CPU memory (NVMe) go through ``deepspeed.zero.GatheredParameters``. The broadcasts are
+  collectives: every rank must walk the same tensors in the same order
+  (:func:`~..writer.shard_order` within each shard); ranks that do not write a shard call
+  ``drain()``, which takes part and drops the bytes. A chunk is valid until the next one is
+  asked for (the buffer is reused);
 - DeepSpeed AutoTP (``tensor_parallel.autotp_size``): the parameter's layer gathers its slices
   with the layer's own ``gather_params`` (the inverse of the split it made, uneven vocab splits
   included), also a collective, and the parameter gets back its original ``.data`` afterwards —
@@ -104,6 +111,15 @@ def live_tensors(module, *, dtype: Optional[str] = None) -> List[LiveTensor]:
 
 def _zero3_tensor(name, param, out_dtype, cast) -> LiveTensor:
     def chunks():
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        if param.ds_status == ZeroParamStatus.AVAILABLE:
+            # Persistent (or already gathered): whole on every rank; no rank exchanges anything.
+            yield _own_bytes(param.data, cast)
+            return
+        if _streamable(param):
+            yield from _partitions(param, cast)
+            return
         import deepspeed
 
         # modifier_rank=None: read-only gather; re-partitioned (memory freed) on exit.
@@ -111,12 +127,53 @@ def _zero3_tensor(name, param, out_dtype, cast) -> LiveTensor:
             yield _own_bytes(param.data, cast)
 
     def drain():
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+        for _ in chunks():
             pass
 
     return LiveTensor(name, out_dtype, tuple(param.ds_shape), chunks, drain)
+
+
+def _streamable(param) -> bool:
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    part = getattr(param, "ds_tensor", None)
+    return (param.ds_status == ZeroParamStatus.NOT_AVAILABLE and part is not None and part.dim() == 1
+            and part.is_contiguous() and getattr(part, "final_location", None) is None
+            and part.numel() * _world(param) >= param.ds_numel)
+
+
+def _world(param) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group=param.ds_process_group)
+
+
+def _partitions(param, cast):
+    """``param``'s bytes, one ZeRO-3 partition at a time, each broadcast from the rank that owns it.
+
+    Rank ``r`` of ``param.ds_process_group`` holds flat elements ``[r*n, (r+1)*n)`` of the
+    parameter (``n = ds_tensor.numel()``; the tail of the last partition is padding). Collective.
+    """
+    import torch
+    import torch.distributed as dist
+
+    group = param.ds_process_group
+    me, world = dist.get_rank(group=group), dist.get_world_size(group=group)
+    part = param.ds_tensor.detach()
+    n, numel = part.numel(), param.ds_numel
+    buffer = None
+    for r in range(world):
+        if r == me:
+            src = part
+        else:
+            if buffer is None:
+                buffer = torch.empty_like(part)
+            src = buffer
+        # As bytes: any dtype travels (gloo has no bf16 broadcast on every build).
+        dist.broadcast(src.view(torch.uint8), src=dist.get_global_rank(group, r), group=group)
+        valid = max(0, min(n, numel - r * n))
+        if valid:
+            yield _own_bytes(src[:valid], cast)
 
 
 def _autotp_full_shape(name, param, owner):

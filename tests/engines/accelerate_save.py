@@ -9,6 +9,7 @@ hooked ``accelerator.save_model``: ``OUT/hf/`` (safetensors, sharded at 300KB), 
 ``OUT/state/`` from ``accelerator.save_state`` (with the HF copy); ``OUT/metrics/rank{r}.json``.
 """
 import argparse
+import os
 import resource
 import sys
 import time
@@ -41,7 +42,7 @@ def main():
     accelerator = Accelerator()  # everything from the config file accelerate launch was given
     install_accelerate_hooks(accelerator, save_state_weights=True)
     rank = torch.distributed.get_rank()
-    assert accelerator.num_processes == torch.distributed.get_world_size() == 2
+    assert accelerator.num_processes == torch.distributed.get_world_size() == int(os.environ["WORLD_SIZE"])
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
     stage = ds_config["zero_optimization"]["stage"]
     tp = ds_config.get("tensor_parallel", {}).get("autotp_size", 1)
