@@ -316,30 +316,32 @@ def render_notes(results):
         s, res = stages[3]
         name, numel = res["ranks"][0]["largest_param"]
         g, gl, h, sp = s["gather_only"], s["gather_largest"], s["hooks"], s["save_pretrained"]
+        part = numel * 2 / len(res["ranks"])
         L.append(
             "- ZeRO-3, time: the baseline is handed the gathered state dict, so its time is the write "
-            "alone. The hooks gather **one parameter at a time** (`GatheredParameters`, a collective: "
-            "both ranks walk every tensor, the rank that does not write a shard drops the bytes), so "
-            "their time includes every all-gather: the `gather_only` reference (the same gathers, nothing "
-            f"written) takes {med(g['wall']):.2f} s, and gather_only + save_pretrained = "
-            f"{med(g['wall']) + med(sp['wall']):.2f} s against the hooks' {med(h['wall']):.2f} s "
-            "(which also fsync their shards). With the gathers alone at "
-            f"{med(g['wall']) / med(sp['wall']):.1f}× the baseline, no save that gathers from the live "
-            "ZeRO-3 partitions can meet 1.1× of a baseline that excludes the gathering: under this "
-            "definition the goal is not met.")
+            "alone. The hooks never gather a parameter: its bytes are the ranks' partitions end to end, "
+            "so each partition in turn is broadcast from its owner (a collective: both ranks walk every "
+            "tensor; the rank that does not write a shard drops the bytes) and written straight into the "
+            "shard. Their time therefore includes moving half of the model between the ranks, and the "
+            f"per-shard fsync. For scale, DeepSpeed's own gathers alone (`gather_only`, nothing written) "
+            f"take {med(g['wall']):.2f} s, and the hooks' whole save {med(h['wall']):.2f} s. Against a "
+            "baseline that excludes the exchange the 1.1× goal is not met "
+            f"({med(h['wall']) / med(sp['wall']):.2f}×); against the only other way to save from live "
+            f"ZeRO-3 partitions, Accelerate's path, the hooks take {med(h['wall']) / med(s['accelerate']['wall']):.2f}× "
+            "its time.")
         L.append(
-            "- ZeRO-3, memory: the hooks hold the gathered parameter being written (and, until the next "
-            "tensor's bytes arrive, the previous one's: `writer.write_shard` keeps its last chunk "
-            "referenced; with this split the two largest tensors are in different shards, so that does "
-            "not raise the peak here), but on this CPU/gloo setup DeepSpeed's gather costs more than the "
-            "parameter: `gather_largest` "
-            f"(`{name}`, {numel / 1e6:.1f}M parameters = {mb(numel * 2)} in bf16) raises RSS by "
-            f"{mb(med(gl['extra'][0]))} / {mb(med(gl['extra'][1]))} (rank 0 / 1), about twice the "
-            "parameter, and `gather_only` (every parameter once, bytes dropped) by "
-            f"{mb(med(g['extra'][0]))} / {mb(med(g['extra'][1]))}: freed gather buffers of many sizes "
-            "stay partly resident in the malloc heap (not investigated further). The hooks' "
-            f"{mb(med(h['extra'][0]))} / {mb(med(h['extra'][1]))} is about that floor; Accelerate's "
-            "`_zero3_consolidated_16bit_state_dict` gathers module by module too but keeps a copy of every "
+            "- ZeRO-3, memory: beyond its own partition a rank holds one partition-sized receive buffer "
+            f"(largest: `{name}`, {numel / 1e6:.1f}M parameters = {mb(numel * 2)} in bf16, so "
+            f"{mb(part)} per partition on 2 ranks) and the shard's file pages, which are page cache, not "
+            f"RSS: the hooks' extra RSS is {mb(med(h['extra'][0]))} / {mb(med(h['extra'][1]))} "
+            "(rank 0 / 1), under one shard. DeepSpeed's gather costs more than the parameter on this "
+            "CPU/gloo setup: `gather_largest` raises RSS by "
+            f"{mb(med(gl['extra'][0]))} / {mb(med(gl['extra'][1]))}, about twice the parameter, and "
+            f"`gather_only` (every parameter once, bytes dropped) by {mb(med(g['extra'][0]))} / "
+            f"{mb(med(g['extra'][1]))} (freed gather buffers of many sizes stay partly resident in the "
+            "malloc heap); the hooks used `GatheredParameters` until this measurement showed that, and "
+            "stayed at about that floor (~200 MB, over one shard). Accelerate's "
+            "`_zero3_consolidated_16bit_state_dict` gathers module by module and keeps a copy of every "
             f"parameter on rank 0 until the write ({mb(med(s['accelerate']['extra'][0]))} there).")
     L.append("- The numbers come from a 2-core VM shared with other jobs (the min–max spans show the "
              "noise), with gloo gathers in CPU memory; a GPU run (NCCL, gathers in device memory) was "
