@@ -13,8 +13,9 @@ Nothing is copied up front. Each tensor's ``chunks()`` yields its own bytes when
   kept off-CPU memory (NVMe) go through ``deepspeed.zero.GatheredParameters``. The broadcasts are
   collectives: every rank must walk the same tensors in the same order
   (:func:`~..writer.shard_order` within each shard); ranks that do not write a shard call
-  ``drain()``, which takes part and drops the bytes. A chunk is valid until the next one is
-  asked for (the buffer is reused);
+  ``drain()``, which takes part and drops the bytes. The next partition is received while the
+  current one is written (two buffers at most). A chunk is valid until the next one is asked for
+  (the buffers are reused);
 - DeepSpeed AutoTP (``tensor_parallel.autotp_size``): the parameter's layer gathers its slices
   with the layer's own ``gather_params`` (the inverse of the split it made, uneven vocab splits
   included), also a collective, and the parameter gets back its original ``.data`` afterwards —
@@ -161,19 +162,28 @@ def _partitions(param, cast):
     me, world = dist.get_rank(group=group), dist.get_world_size(group=group)
     part = param.ds_tensor.detach()
     n, numel = part.numel(), param.ds_numel
-    buffer = None
-    for r in range(world):
+    buffers = [None, None]
+
+    def start(r):
+        # Partition r arrives while partition r - 1 is written (two buffers at most). As bytes:
+        # any dtype travels (gloo has no bf16 broadcast on every build).
         if r == me:
-            src = part
+            t = part
         else:
-            if buffer is None:
-                buffer = torch.empty_like(part)
-            src = buffer
-        # As bytes: any dtype travels (gloo has no bf16 broadcast on every build).
-        dist.broadcast(src.view(torch.uint8), src=dist.get_global_rank(group, r), group=group)
+            if buffers[r % 2] is None:
+                buffers[r % 2] = torch.empty_like(part)
+            t = buffers[r % 2]
+        work = dist.broadcast(t.view(torch.uint8), src=dist.get_global_rank(group, r), group=group, async_op=True)
+        return t, work
+
+    nxt = start(0)
+    for r in range(world):
+        t, work = nxt
+        nxt = start(r + 1) if r + 1 < world else None
+        work.wait()
         valid = max(0, min(n, numel - r * n))
         if valid:
-            yield _own_bytes(src[:valid], cast)
+            yield _own_bytes(t[:valid], cast)
 
 
 def _autotp_full_shape(name, param, owner):
