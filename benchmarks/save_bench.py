@@ -327,8 +327,8 @@ def render_notes(results):
             f"take {med(g['wall']):.2f} s, and the hooks' whole save {med(h['wall']):.2f} s. Against a "
             "baseline that excludes the exchange the 1.1× goal is not met "
             f"({med(h['wall']) / med(sp['wall']):.2f}×); against the only other way to save from live "
-            f"ZeRO-3 partitions, Accelerate's path, the hooks take {med(h['wall']) / med(s['accelerate']['wall']):.2f}× "
-            "its time.")
+            "ZeRO-3 partitions, Accelerate's path, the hooks take "
+            f"{med(h['wall']) / med(s['accelerate']['wall']):.2f}× its time.")
         L.append(
             "- ZeRO-3, memory: beyond its own partition a rank holds one partition-sized receive buffer "
             f"(largest: `{name}`, {numel / 1e6:.1f}M parameters = {mb(numel * 2)} in bf16, so "

@@ -79,7 +79,8 @@ def main():
     accelerator.save_model(model, args.out / "bin", max_shard_size="300KB", safe_serialization=False)
     # The saves leave every parameter's storage where ZeRO's optimizer writes (a view of its flat
     # buffer under ZeRO-1/2): training after a save goes on with the same tensors.
-    metrics["data_ptr_changed_by_save"] = sorted(n for n, q in module.named_parameters() if q.data_ptr() != data_ptrs[n])
+    metrics["data_ptr_changed_by_save"] = sorted(n for n, q in module.named_parameters()
+                                                 if q.data_ptr() != data_ptrs[n])
     if tp > 1:
         # The engine's own view of the AutoTP weights: DeepSpeed's gather of each replaced layer
         # (fp32 masters are not kept per layer by AutoTP + ZeRO-1/2, so only the module weights).
