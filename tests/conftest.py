@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,12 +28,19 @@ ENGINES = REPO / "tests" / "engines"
 ACCELERATE_CONFIGS = ENGINES / "accelerate"  # real `accelerate launch` config files + their DeepSpeed JSON
 ENGINE_TIMEOUT_S = 900
 
+# DeepSpeed JIT-builds its CPU shm op into ~/.cache/torch_extensions by default: one directory for
+# every venv and every clone, each rebuilding it (their include paths differ) while the others may
+# be loading it — seen: the .so missing mid-run while another clone's tests ran. Every process the
+# tests start (engine runs, notebooks, the CLI) inherits this venv's own directory instead.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
+
 # ColossalAI tests run in .venv-cai only (`make test-cai`).
 collect_ignore = [] if importlib.util.find_spec("colossalai") else ["cai"]
 
 # name -> (script, nproc, args). Each is one real multi-process run under torchrun, except the
 # Accelerate cases: ACCELERATE[name] is the config file `accelerate launch` gets (nproc comes from it).
-ACCELERATE = {"acc-z1-bf16": "zero1_bf16.yaml", "acc-z3": "zero3.yaml", "acc-autotp-z2-bf16": "autotp_zero2_bf16.yaml"}
+ACCELERATE = {"acc-z1-bf16": "zero1_bf16.yaml", "acc-z3": "zero3.yaml", "acc-autotp-z2-bf16": "autotp_zero2_bf16.yaml",
+              "acc-autotp-z3-bf16": "autotp_zero3_bf16.yaml"}
 CASES = {
     **{f"z{s}-{d}": ("ds_train.py", 2, ["--stage", str(s), "--dtype", d]) for s in (1, 2, 3) for d in ("fp32", "bf16")},
     **{f"z{s}-frozen": ("ds_train.py", 2, ["--stage", str(s), "--variant", "frozen"]) for s in (1, 2, 3)},
@@ -115,11 +123,6 @@ def torchrun(script, nproc, args, *, log, timeout=ENGINE_TIMEOUT_S, env=None, ac
     cmd += [str(script), *map(str, args)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                 "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    # DeepSpeed JIT-builds its CPU shm op into ~/.cache/torch_extensions, one directory for every
-    # environment: a run in .venv-cai rebuilds what .venv built (its include paths differ), and a
-    # rebuild while another process loads the .so aborts that process. One directory per venv.
-    full_env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"
-                                                    / f"hfckpt-{Path(sys.prefix).name}"))
     with open(log, "w") as fh:  # a file, not a pipe: torchrun's workers may outlive it
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
         if not wait_or_stop(proc, timeout):
@@ -130,16 +133,28 @@ def torchrun(script, nproc, args, *, log, timeout=ENGINE_TIMEOUT_S, env=None, ac
         raise RuntimeError(f"{' '.join(cmd)} failed with {proc.returncode}; log {log}:\n{tail}")
 
 
+_FAILED = {}  # name -> error: a case that failed is not run again in the same session
+
+
 def build_case(name: str) -> Path:
     script, nproc, args = CASES[name]
     out = cache_root() / _cache_key(script) / name  # cases of one script share a parent (see cb-z3-resume)
     if (out / "DONE").exists():
         return out
+    if name in _FAILED:  # a silent retry by the next test would hide a flaky engine run
+        raise RuntimeError(f"engine case {name} failed earlier in this session: {_FAILED[name]}")
     tmp = out.with_name(out.name + ".building")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     config = ACCELERATE_CONFIGS / ACCELERATE[name] if name in ACCELERATE else None
-    torchrun(ENGINES / script, nproc, [tmp, *args], log=tmp.parent / f"{out.name}.log", accelerate_config=config)
+    log = tmp.parent / f"{out.name}.log"
+    try:
+        torchrun(ENGINES / script, nproc, [tmp, *args], log=log, accelerate_config=config)
+    except RuntimeError as e:
+        kept = log.with_name(f"{out.name}.failed-{int(time.time())}.log")  # the next build overwrites log
+        shutil.copy(log, kept)
+        _FAILED[name] = f"{str(e).splitlines()[0]} (log kept: {kept})"
+        raise
     (tmp / "DONE").write_text("ok\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -14,6 +14,7 @@ these that speaks decides (the ``source`` is reported by ``inspect``):
    to pass — a dimension is never guessed.
 """
 
+import contextlib
 import fnmatch
 import re
 from dataclasses import dataclass
@@ -104,7 +105,13 @@ def hf_plans_for(config_dir: str):
     except ImportError:
         return None
     cfg = AutoConfig.from_pretrained(config_dir)
-    with torch.device("meta"):
+    # Inside a live ZeRO-3 run (a save-time hook) from_config would build the model under
+    # deepspeed.zero.Init and initialise it there, which fails on the meta device; transformers'
+    # own "zero.Init already entered" flag makes it build a plain (meta) model.
+    import transformers.modeling_utils as modeling_utils
+
+    not_zero3 = getattr(modeling_utils, "set_zero3_state", contextlib.nullcontext)
+    with torch.device("meta"), not_zero3():
         try:
             model = AutoModelForCausalLM.from_config(cfg)
         except ValueError:

@@ -83,13 +83,16 @@ def main():
                                                  if q.data_ptr() != data_ptrs[n])
     if tp > 1:
         # The engine's own view of the AutoTP weights: DeepSpeed's gather of each replaced layer
-        # (fp32 masters are not kept per layer by AutoTP + ZeRO-1/2, so only the module weights).
+        # (only the module weights).
+        # Under ZeRO-3 the ZeRO partitions first, as _zero3_consolidated_16bit_state_dict does.
+        import deepspeed
         from deepspeed.module_inject.layers import GatherReplacedLayerParams
 
         weights = {}
         for mname, mod in module.named_modules():
             own = list(mod.named_parameters(recurse=False))
-            with GatherReplacedLayerParams([q for _, q in own], mod, enabled=True):
+            with deepspeed.zero.GatheredParameters([q for _, q in own], enabled=stage == 3), \
+                    GatherReplacedLayerParams([q for _, q in own], mod, enabled=True):
                 for n, q in own:
                     weights[f"{mname}.{n}" if mname else n] = q.detach().cpu().clone().contiguous()
         if rank == 0:
