@@ -25,7 +25,8 @@ def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[st
 
     ``dtype``: ``"fp32"`` (default when the checkpoint has fp32 masters), ``"bf16"`` or ``"fp16"``.
     ``tp_rules``: ``["PATTERN=0|1|replicated", ...]`` for model-parallel parameters nothing else
-    describes. ``workers``: shards written at once from a thread pool. Returns the writer's report. Nothing is written when the checkpoint is refused.
+    describes. ``workers``: shards written at once from a thread pool. Returns the writer's report.
+    Nothing is written when the checkpoint is refused.
     """
     plan = build_plan(src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules)
     return write_plan(plan, dst, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, quiet=quiet,

@@ -8,8 +8,8 @@ single-process models):
   one at a time and streamed into its shard, never the whole parameter (works with
   ``stage3_gather_16bit_weights_on_model_save`` false, where Accelerate raises ``ValueError``);
   under ZeRO-1/2 each parameter's own bytes are read in place (no ``clone_tensors_for_torch_save``
-  of the whole state dict); under AutoTP each layer's slices
-  are gathered when its tensors are written (full shapes: the uneven vocab split is undone);
+  of the whole state dict); under AutoTP each layer's slices are gathered when its tensors are
+  written (full shapes: the uneven vocab split is undone);
 - shards are spread over the ranks (shard ``i`` by rank ``i % world_size`` from
   ``torch.distributed``), staged, and moved into place only when every rank succeeded;
 - ``safe_serialization=False`` writes ``pytorch_model*.bin`` whose tensors own exactly their

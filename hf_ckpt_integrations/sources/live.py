@@ -135,18 +135,14 @@ def _zero3_tensor(name, param, out_dtype, cast) -> LiveTensor:
 
 
 def _streamable(param) -> bool:
+    """Whether ``param``'s partition is a plain 1-D tensor in memory that :func:`_partitions` can send."""
+    import torch.distributed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     part = getattr(param, "ds_tensor", None)
     return (param.ds_status == ZeroParamStatus.NOT_AVAILABLE and part is not None and part.dim() == 1
             and part.is_contiguous() and getattr(part, "final_location", None) is None
-            and part.numel() * _world(param) >= param.ds_numel)
-
-
-def _world(param) -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size(group=param.ds_process_group)
+            and part.numel() * torch.distributed.get_world_size(group=param.ds_process_group) >= param.ds_numel)
 
 
 def _partitions(param, cast):
