@@ -47,7 +47,8 @@ def inspect_command(args) -> int:
         print(json.dumps(info, indent=2))
         return EXIT_OK
     stage = f" (ZeRO stage {info['zero_stage']})" if info["zero_stage"] is not None else ""
-    print(f"engine      {info['engine']}{stage}")
+    written = f", written by {info['engine_version']}" if info.get("engine_version") else ""
+    print(f"engine      {info['engine']}{stage}{written}")
     print(f"tag         {info['tag']}   source {info['source']}")
     print(f"world       dp={info['dp_size']} mp={info['mp_size']} (mp axis: {info['mp_axis']})")
     if info["mp_axis_reason"]:

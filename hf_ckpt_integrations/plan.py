@@ -90,6 +90,7 @@ class ExportPlan:
     notes: List[str] = field(default_factory=list)
     padding_removed: Dict[str, Tuple[int, int]] = field(default_factory=dict)  # name -> (rows before, after)
     mp_axis_reason: Optional[str] = None
+    engine_version: Optional[str] = None  # the engine release that wrote the files (DeepSpeed's ds_version)
 
     def tensor_bytes(self, out_dtype: Optional[str] = None) -> int:
         from .safe_load import DTYPE_SIZES
@@ -103,6 +104,7 @@ class ExportPlan:
             by_kind[t.kind] = by_kind.get(t.kind, 0) + 1
         return {
             "engine": self.engine,
+            "engine_version": self.engine_version,
             "source": self.source,
             "tag": self.tag,
             "zero_stage": self.stage,

@@ -12,6 +12,7 @@ their storage in the file. Reading a tensor is then a byte-range read (``mmap``)
 optimizer file whose ``exp_avg`` we never touch costs only its pickle.
 """
 
+import _compat_pickle
 import collections
 import io
 import math
@@ -181,12 +182,23 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(io.BytesIO(data))
         self._path = path
         self._storages = storages
+        # Protocol < 3 (torch.save writes 2) spells builtins the Python 2 way (``__builtin__.set``).
+        # The standard unpickler's find_class maps those names, and we replace it, so map them here
+        # exactly as it does (a protocol-2 pickle starts with PROTO 2; none at all means 0/1).
+        self._py2_names = not (data[:1] == pickle.PROTO and len(data) > 1 and data[1] >= 3)
 
     def find_class(self, module, name):
+        asked = f"{module}.{name}"
+        if self._py2_names:  # the mapping of pickle._Unpickler.find_class (fix_imports=True)
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            elif module in _compat_pickle.IMPORT_MAPPING:
+                module = _compat_pickle.IMPORT_MAPPING[module]
+        # The allowlist applies to the mapped name: mapping never widens what may be built.
         target = _ALLOWED.get(module, {}).get(name)
         if target is None:
             raise UnsafeCheckpointError(
-                f"{self._path}: refused for safety: its pickle asks for `{module}.{name}`, which is not "
+                f"{self._path}: refused for safety: its pickle asks for `{asked}`, which is not "
                 "on the allowlist of types DeepSpeed checkpoints contain; the file was not executed. "
                 "Only export checkpoints you trust through torch.load, or re-save it with plain tensors")
         return target

@@ -24,6 +24,18 @@ def test_zero12_refuses_counts_that_do_not_match():
         layout.zero12_fragments([10], [4, 4, 2], [0, 0, 0])
 
 
+def test_zero12_recorded_param_alignment_paddings():
+    # 0.19 with parameter_alignment: 2 zeros after the 5-element param (offset 7), none after the
+    # last. Files before 0.19 record no such list (None): back to back, as above.
+    frags = layout.zero12_fragments([5, 3], [5, 5], [0, 0], [2, 0])
+    assert frags == [[(0, 0, 5)], [(1, 2, 3)]]
+    assert layout.zero12_fragments([5, 3], [4, 4], [0, 0], None) == [[(0, 0, 4), (1, 0, 1)], [(1, 1, 3)]]
+    with pytest.raises(ValueError, match="do not fit"):
+        layout.zero12_fragments([5, 3], [5, 5], [0, 0], [2])
+    with pytest.raises(ValueError, match="recorded shapes hold 8 elements"):
+        layout.zero12_fragments([5, 3], [5, 5], [0, 0], [0, 0])
+
+
 def test_zero3_each_param_partitioned_on_its_own():
     # numel 5 over 2 ranks: chunks of 3, last rank holds 2 + 1 padding.
     frags = layout.zero3_fragments([5, 2], 2, 3 + 1)

@@ -380,6 +380,8 @@ def _plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, _Rank], model_files, out_dt
     plan = ExportPlan(engine="deepspeed", source=tag_dir, tag=None, stage=stage, dp_size=dp, mp_size=1,
                       mp_axis="none", tensors=ordered, aliases={str(k): str(v) for k, v in shared.items()},
                       dtypes=dtypes, files=files)
+    version = model.get("ds_version")  # every release records it; the layout never depends on it
+    plan.engine_version = version if isinstance(version, str) else None
     if ranks[0].prefix:
         plan.notes.append(f"optimizer files carry the {ranks[0].prefix}_ prefix (mixed-precision training)")
     return plan, model.get("universal_checkpoint_info")
@@ -402,8 +404,9 @@ def _plan_zero12(ranks, param_groups, model_path, tensors):
             if not isinstance(parts[-1], safe_load.TensorRef) or parts[-1].dtype != "F32":
                 raise LayoutError(f"{ranks[r].path}: fp32 partition of group {i} is not an fp32 tensor; "
                                   "the file is corrupt")
+        gaps = _param_alignment_paddings(ranks, i)
         try:
-            frags = layout.zero12_fragments([_numel(s) for s in shapes], [p.numel for p in parts], pads)
+            frags = layout.zero12_fragments([_numel(s) for s in shapes], [p.numel for p in parts], pads, gaps)
         except ValueError as e:
             raise LayoutError(f"{ranks[0].path}: parameter group {i}: {e}; the model-states file "
                               f"{os.path.basename(model_path)} and the optimizer files come from different "
@@ -420,6 +423,22 @@ def _plan_zero12(ranks, param_groups, model_path, tensors):
         for name, shape, fr in zip(names, shapes, frags):
             pieces = [_tensor_pieces(parts[r], local, count) for r, local, count in fr]
             tensors[name] = TensorPlan(name, shape, "F32", [pieces], kind="master")
+
+
+def _param_alignment_paddings(ranks, group):
+    """Zeros DeepSpeed put after each parameter of ``group`` (``param_alignment_paddings``, 0.19+
+    with ``parameter_alignment``); ``None`` when the files record none (all releases before 0.19)."""
+    recorded = [r.osd.get("param_alignment_paddings") for r in ranks.values()]
+    if any(rec != recorded[0] for rec in recorded):
+        raise LayoutError(f"{ranks[0].path}: data-parallel ranks record different param_alignment_paddings; "
+                          "files from different saves are mixed: copy one save's tag directory again")
+    if recorded[0] is None:
+        return None
+    try:
+        return [int(g) for g in recorded[0][group]]
+    except (IndexError, KeyError, TypeError, ValueError):
+        raise LayoutError(f"{ranks[0].path}: param_alignment_paddings has no list of integers for parameter "
+                          f"group {group}; the file is corrupt") from None
 
 
 def _address(value, path):

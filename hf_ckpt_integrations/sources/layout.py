@@ -3,14 +3,17 @@
 ZeRO-1/2 flatten each parameter group and cut the flat buffer into equal partitions, one per
 data-parallel rank, in rank order; parameters lie back to back in the order recorded in
 ``param_shapes``. DeepSpeed saves each partition without the group's alignment padding, which
-only the last rank carries (``group_paddings``).
+only the last rank carries (``group_paddings``). From 0.19, ``zero_optimization.parameter_alignment``
+may also pad after each parameter inside the flat buffer; the file then records those gaps
+(``param_alignment_paddings``). Files without that key (every release before 0.19, and 0.19
+with the option off) have none: parameters lie back to back.
 
 ZeRO-3 partitions every parameter on its own: rank ``r`` holds elements
 ``[r*ceil(n/dp), (r+1)*ceil(n/dp))`` of each parameter, and its flat fp32 buffer holds those
 chunks back to back in ``param_shapes`` order. The last rank's chunk is zero-padded.
 """
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["Fragment", "zero12_fragments", "zero3_fragments", "ceil_div"]
 
@@ -23,25 +26,30 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def zero12_fragments(numels: Sequence[int], partition_numels: Sequence[int],
-                     paddings: Sequence[int]) -> List[List[Fragment]]:
+                     paddings: Sequence[int], param_paddings: Optional[Sequence[int]] = None) -> List[List[Fragment]]:
     """Where each parameter of one ZeRO-1/2 group lives.
 
     ``partition_numels[r]`` is the saved (unpadded) length of rank ``r``'s partition and
     ``paddings[r]`` the padding DeepSpeed removed from it; every rank's padded length must be
-    the same. Raises ``ValueError`` when the recorded numbers do not fit together.
+    the same. ``param_paddings[i]``: zeros recorded after parameter ``i`` in the flat buffer
+    (``param_alignment_paddings``; ``None`` when the file records none). Raises ``ValueError``
+    when the recorded numbers do not fit together.
     """
+    gaps = list(param_paddings) if param_paddings is not None else [0] * len(numels)
+    if len(gaps) != len(numels) or any(not isinstance(g, int) or g < 0 for g in gaps):
+        raise ValueError(f"param_alignment_paddings {gaps!r} do not fit the {len(numels)} recorded parameters")
     dp = len(partition_numels)
     sizes = {p + pad for p, pad in zip(partition_numels, paddings)}
     if len(sizes) != 1:
         raise ValueError(f"partitions of unequal padded size {sorted(sizes)}")
     size = sizes.pop()
-    total = sum(numels)
+    total = sum(numels) + sum(gaps)
     available = sum(partition_numels)
     if total != available:
         raise ValueError(f"recorded shapes hold {total} elements but the {dp} partitions hold {available}")
     out: List[List[Fragment]] = []
     offset = 0
-    for n in numels:
+    for n, gap in zip(numels, gaps):
         frags = []
         start, end = offset, offset + n
         while start < end:
@@ -51,7 +59,7 @@ def zero12_fragments(numels: Sequence[int], partition_numels: Sequence[int],
             frags.append((rank, local, count))
             start += count
         out.append(frags)
-        offset = end
+        offset = end + gap
     return out
 
 
