@@ -435,10 +435,10 @@ def _param_alignment_paddings(ranks, group):
     if recorded[0] is None:
         return None
     try:
-        return [int(g) for g in recorded[0][group]]
-    except (IndexError, KeyError, TypeError, ValueError):
-        raise LayoutError(f"{ranks[0].path}: param_alignment_paddings has no list of integers for parameter "
-                          f"group {group}; the file is corrupt") from None
+        return list(recorded[0][group])  # zero12_fragments checks they are non-negative integers
+    except (IndexError, KeyError, TypeError):
+        raise LayoutError(f"{ranks[0].path}: param_alignment_paddings has no list for parameter group "
+                          f"{group}; the file is corrupt") from None
 
 
 def _address(value, path):

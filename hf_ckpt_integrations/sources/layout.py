@@ -5,8 +5,8 @@ data-parallel rank, in rank order; parameters lie back to back in the order reco
 ``param_shapes``. DeepSpeed saves each partition without the group's alignment padding, which
 only the last rank carries (``group_paddings``). From 0.19, ``zero_optimization.parameter_alignment``
 may also pad after each parameter inside the flat buffer; the file then records those gaps
-(``param_alignment_paddings``). Files without that key (every release before 0.19, and 0.19
-with the option off) have none: parameters lie back to back.
+(``param_alignment_paddings``, zeros when the option is off). Files without that key (every
+release before 0.19) have none: parameters lie back to back.
 
 ZeRO-3 partitions every parameter on its own: rank ``r`` holds elements
 ``[r*ceil(n/dp), (r+1)*ceil(n/dp))`` of each parameter, and its flat fp32 buffer holds those
@@ -25,8 +25,8 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def zero12_fragments(numels: Sequence[int], partition_numels: Sequence[int],
-                     paddings: Sequence[int], param_paddings: Optional[Sequence[int]] = None) -> List[List[Fragment]]:
+def zero12_fragments(numels: Sequence[int], partition_numels: Sequence[int], paddings: Sequence[int],
+                     param_paddings: Optional[Sequence[int]] = None) -> List[List[Fragment]]:
     """Where each parameter of one ZeRO-1/2 group lives.
 
     ``partition_numels[r]`` is the saved (unpadded) length of rank ``r``'s partition and
