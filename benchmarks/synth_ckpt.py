@@ -25,6 +25,7 @@ the same from Python (``reference=True`` also saves the full fp32 masters as ``r
 """
 
 import argparse
+import bisect
 import json
 import math
 import os
@@ -166,17 +167,18 @@ def _zero12(tag_dir, stage, dp, shapes, numels, flat, model_common, common, scal
         module[name] = flat[off:off + n].view(shape).to(torch.bfloat16)
         off += n
     torch.save({"module": module, **model_common}, os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
-    starts = np.cumsum([0] + numels[:-1])
+    names = list(shapes)
+    starts = [int(x) for x in np.cumsum([0] + numels[:-1])]
     for r in range(dp):
         lo, hi = r * size, min((r + 1) * size, total)
         part = flat[lo:hi].clone()
         mapping = OrderedDict()
         # Parameters intersecting [lo, hi): a binary search, not a scan, so 1,024 ranks stay fast.
-        i = int(np.searchsorted(starts, lo, side="right")) - 1
+        i = bisect.bisect_right(starts, lo) - 1
         while i < len(numels) and starts[i] < hi:
             a, b = max(lo, starts[i]), min(hi, starts[i] + numels[i])
             if b > a:
-                mapping[list(shapes)[i]] = fragment_address(numel=b - a, start=a - lo)
+                mapping[names[i]] = fragment_address(numel=b - a, start=a - lo)
             i += 1
         osd = {"loss_scaler": scaler, "dynamic_loss_scale": False, "overflow": False, "clip_grad": 1.0,
                "base_optimizer_state": [_adam(part)["state"][0]], "single_partition_of_fp32_groups": [part],
