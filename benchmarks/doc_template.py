@@ -59,8 +59,9 @@ Columns:
   tool pulled from disk, kernel read-ahead included.
 - **peak RSS**: `ru_maxrss` of the child from `os.wait4` (for torchrun: the largest process of the
   tree). RSS counts the file pages a process has mapped and touched: the fp32 byte copy uses
-  `os.copy_file_range` and maps nothing (flat 28 MB); the bf16 cast imports torch and reads the
-  masters through `mmap`, so its RSS includes those pages — page cache, reclaimable, not heap.
+  `os.copy_file_range` and maps nothing; the bf16 cast (`hf_ckpt_integrations/casts.py`) reads the
+  masters with `os.preadv` into one reused 1 MB buffer and converts them with numpy, so it maps
+  nothing either and does not import torch.
 - **written**: bytes in the output directory.
 - The floor is `cp -r` of our own output directory plus `sync` of its files, because `hf-ckpt`
   fsyncs every shard before the rename (neither `zero_to_fp32.py` nor DCP's consolidation fsync).
@@ -74,8 +75,8 @@ Columns:
 
 - The fixed costs line is the floor under every row: a fresh interpreter that imports torch pays
   that before doing any work. `zero_to_fp32.py` imports torch and DeepSpeed; the DCP consolidation
-  imports torch; `hf-ckpt export` in fp32 imports neither (the byte-copy path), and imports torch
-  only for a dtype cast (the bf16 rows).
+  imports torch; `hf-ckpt export` imports neither, in fp32 (the byte-copy path) or bf16 (numpy's
+  bit operations on 1 MB chunks); it imports torch only to merge tensor-parallel slices.
 - "write phase of ours" is the writer's own timing from the `hf-ckpt export` summary line (plan
   already built): the copy of the bytes and the per-shard `fsync`.
 - The equality checks load both outputs and compare every tensor's bytes; the rank-parallel check
