@@ -81,6 +81,19 @@ Columns:
   already built): the copy of the bytes and the per-shard `fsync`.
 - The equality checks load both outputs and compare every tensor's bytes; the rank-parallel check
   compares every file of the directory byte for byte with the one-process export.
+- bf16 from fp32 masters reads 4 bytes and writes 2 per parameter; the cast itself is about 1 ns
+  of CPU per element (numpy bit operations on 1 MB chunks, `casts.py`), no torch import, two 1 MB
+  buffers. Against `cp -r` of the fp32 output, the export also pays what a copy does not: a fresh
+  interpreter and its imports (numpy included), reading the ZeRO metadata to plan, and reading
+  twice the bytes it writes. Those fixed costs weigh most on the smallest model, and our own fp32
+  export's ratio to the copy (column "ours/cp wall") bounds the bf16 one in the same run.
+- The rank-parallel row is byte-identical to one process, and on this 2-core machine several
+  times slower: each rank is an interpreter importing torch for the process group plus a gloo
+  rendezvous, against about a second of copying. It pays off only for checkpoints of many shards
+  whose ranks have their own disks or nodes (each rank's bandwidth adds); on one machine prefer
+  one process, with `--workers` for several shards.
+- The machine is a VM shared with other jobs (2 cores); the min–max spans and the fixed-costs
+  line (an `import torch` takes over a second on a quiet run) show how loaded it was.
 - See `docs/performance.md` for why memory stays bounded and what the rank-parallel path is for.
 """
 
