@@ -75,8 +75,9 @@ Columns:
 
 - The fixed costs line is the floor under every row: a fresh interpreter that imports torch pays
   that before doing any work. `zero_to_fp32.py` imports torch and DeepSpeed; the DCP consolidation
-  imports torch; `hf-ckpt export` imports neither, in fp32 (the byte-copy path) or bf16 (numpy's
-  bit operations on 1 MB chunks); it imports torch only to merge tensor-parallel slices.
+  imports torch; `hf-ckpt export` imports neither, in fp32 (the byte-copy path, which does not
+  import numpy either) or bf16 (numpy's bit operations on 1 MB chunks); it imports torch only to
+  merge tensor-parallel slices.
 - "write phase of ours" is the writer's own timing from the `hf-ckpt export` summary line (plan
   already built): the copy of the bytes and the per-shard `fsync`.
 - The equality checks load both outputs and compare every tensor's bytes; the rank-parallel check

@@ -8,7 +8,6 @@ unpadding import torch and hold one tensor in memory.
 
 from typing import Iterator, NamedTuple
 
-from .casts import can_cast, iter_cast
 from .errors import LayoutError
 from .plan import TensorPlan
 from .safe_load import DTYPE_SIZES, MappedFiles
@@ -106,9 +105,12 @@ def iter_bytes(t: TensorPlan, out_dtype: str, files: MappedFiles, *, ranges: boo
             n = p.numel * DTYPE_SIZES[p.dtype]
             yield FileRange(p.path, p.offset, n) if ranges else files.read(p.path, p.offset, n)
         return
-    if t.is_byte_copy and all(can_cast(p.dtype, out_dtype) for p in t.parts[0]):
-        yield from iter_cast(t.parts[0], out_dtype, files)  # numpy bit operations, no torch
-        return
+    if t.is_byte_copy:
+        from .casts import can_cast, iter_cast  # numpy: imported by casts only (half the CLI's start-up)
+
+        if all(can_cast(p.dtype, out_dtype) for p in t.parts[0]):
+            yield from iter_cast(t.parts[0], out_dtype, files)  # numpy bit operations, no torch
+            return
     tensor = to_torch(t, files).to(_torch_dtype(out_dtype)).contiguous()
     import torch
 
