@@ -83,8 +83,8 @@ Columns:
 - The equality checks load both outputs and compare every tensor's bytes; the rank-parallel check
   compares every file of the directory byte for byte with the one-process export.
 - bf16 from fp32 masters reads 4 bytes and writes 2 per parameter; the cast itself is about 1 ns
-  of CPU per element (numpy bit operations on 1 MB chunks, `casts.py`), no torch import, two 1 MB
-  buffers. Against `cp -r` of the fp32 output, the export also pays what a copy does not: a fresh
+  of CPU per element (numpy bit operations on 1 MB chunks, `casts.py`), no torch import, ~5 MB
+  of buffers. Against `cp -r` of the fp32 output, the export also pays what a copy does not: a fresh
   interpreter and its imports (numpy included), reading the ZeRO metadata to plan, and reading
   twice the bytes it writes. Those fixed costs weigh most on the smallest model, and our own fp32
   export's ratio to the copy (column "ours/cp wall") bounds the bf16 one in the same run.

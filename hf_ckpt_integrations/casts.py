@@ -2,13 +2,13 @@
 
 A cast is a pure function of the bits, so the export's hot cast (``--dtype bf16`` from fp32
 masters) reads each piece with ``os.preadv`` into one reused buffer, converts it with numpy
-bit operations and yields the result: memory stays at two chunk buffers, nothing is mapped,
-and torch is never imported.
+bit operations and yields the result: memory stays at a few chunk-sized buffers (~5 MB),
+nothing is mapped, and torch is never imported.
 
-Every result is bitwise equal to torch's ``Tensor.to`` on x86 CPUs with AVX2/AVX-512 (the
-vectorized kernels every x86-64 build of torch 2.x uses; ``tests/test_casts.py`` sweeps every
+Every result is bitwise equal to torch's ``Tensor.to`` as torch 2.x runs on an x86-64 CPU with
+AVX-512 (with AVX2 too, except the NaN bits of fp16 → fp32); ``tests/test_casts.py`` sweeps every
 bit-pattern class and ~4M random patterns against the installed torch, and every 16-bit
-pattern exhaustively):
+pattern exhaustively:
 
 - finite values and infinities: IEEE round-to-nearest-even (the only correct rounding; fp16
   overflows to ±inf, subnormals in and out as IEEE says, the sign of zero kept);
