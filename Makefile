@@ -11,7 +11,8 @@ help:
 	@echo "make setup  - build .venv and .venv-cai (idempotent)"
 	@echo "make docs   - build the documentation site (mkdocs --strict) into site/"
 	@echo "make bench  - benchmark hf-ckpt export against zero_to_fp32.py, and save-time hooks against"
-	@echo "              save_pretrained under ZeRO-2/3 (not part of make test)"
+	@echo "              save_pretrained under ZeRO-2/3, and plan cost against the rank count on"
+	@echo "              synthetic 8..1,024-rank saves (not part of make test)"
 	@echo "make fuzz   - the hostile-input fuzz tests with many more cases than make test runs"
 
 setup:
@@ -37,6 +38,7 @@ docs: setup
 bench: setup
 	.venv/bin/python benchmarks/export_bench.py
 	.venv/bin/python benchmarks/save_bench.py
+	.venv/bin/python benchmarks/scale_bench.py
 
 fuzz: setup
 	HFCKPT_FUZZ_EXAMPLES=$${HFCKPT_FUZZ_EXAMPLES:-5000} .venv/bin/python -m pytest tests/test_reliability.py -k fuzz -q

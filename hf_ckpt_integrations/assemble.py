@@ -1,8 +1,9 @@
 """Execute the reads of a :class:`~.plan.TensorPlan`: output bytes for one tensor.
 
 The hot path (a plain tensor kept in its stored dtype) yields the source byte ranges straight
-from ``mmap`` with no tensor library. Casts, tensor-parallel merges and unpadding import torch
-and hold one tensor in memory.
+from ``mmap`` with no tensor library; a plain tensor cast between fp32 and bf16/fp16 is read and
+converted a chunk at a time by :mod:`.casts` (numpy, no torch). Tensor-parallel merges and
+unpadding import torch and hold one tensor in memory.
 """
 
 from typing import Iterator, NamedTuple
@@ -94,7 +95,8 @@ def iter_bytes(t: TensorPlan, out_dtype: str, files: MappedFiles, *, ranges: boo
     """Yield the output bytes of ``t`` in ``out_dtype``, in order, a chunk at a time.
 
     With ``ranges``, stored bytes are yielded as :class:`FileRange` (for a writer that copies them
-    file to file); otherwise every chunk is a bytes-like object. Replicas are compared with the
+    file to file); otherwise every chunk is a bytes-like object, valid until the next one is
+    requested (cast chunks reuse one buffer). Replicas are compared with the
     first copy before anything is yielded.
     """
     check_replicas(t, files)
@@ -103,6 +105,12 @@ def iter_bytes(t: TensorPlan, out_dtype: str, files: MappedFiles, *, ranges: boo
             n = p.numel * DTYPE_SIZES[p.dtype]
             yield FileRange(p.path, p.offset, n) if ranges else files.read(p.path, p.offset, n)
         return
+    if t.is_byte_copy:
+        from .casts import can_cast, iter_cast  # numpy: imported by casts only (half the CLI's start-up)
+
+        if all(can_cast(p.dtype, out_dtype) for p in t.parts[0]):
+            yield from iter_cast(t.parts[0], out_dtype, files)  # numpy bit operations, no torch
+            return
     tensor = to_torch(t, files).to(_torch_dtype(out_dtype)).contiguous()
     import torch
 

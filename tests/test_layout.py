@@ -71,3 +71,21 @@ def test_slice_mappings_prove_or_refute_the_placement():
     assert layout.check_slice_mappings(names, frags, 1, {"a": (1, 0), "b": (3, 1)}) == []
     # The file of rank 0 placed as rank 1 (renamed): its recorded offsets disagree.
     assert layout.check_slice_mappings(names, frags, 1, {"a": (4, 0)}) == ["a", "b"]
+
+
+def test_zero3_fragments_match_the_definition_for_small_and_empty_params():
+    """Rank r holds elements [r*ceil(n/dp), (r+1)*ceil(n/dp)) of each parameter: parameters smaller than
+    dp (a layernorm at 1,024 ranks) live on the first ranks only, empty ones nowhere."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        dp = rng.randint(1, 70)
+        numels = [rng.choice([0, 1, 2, dp - 1, dp, dp + 1, 2 * dp - 1, rng.randint(0, 500)]) for _ in range(6)]
+        numels = [max(0, n) for n in numels]
+        want, local = [], 0
+        for n in numels:
+            chunk = layout.ceil_div(n, dp)
+            want.append([(r, local, min(chunk, n - r * chunk)) for r in range(dp) if n - r * chunk > 0])
+            local += chunk
+        assert layout.zero3_fragments(numels, dp, local) == want, (numels, dp)

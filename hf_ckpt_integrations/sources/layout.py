@@ -73,11 +73,12 @@ def zero3_fragments(numels: Sequence[int], dp: int, flat_numel: int) -> List[Lis
     local = 0
     for n in numels:
         chunk = ceil_div(n, dp)
-        frags = []
-        for rank in range(dp):
-            count = min(chunk, n - rank * chunk)
-            if count > 0:
-                frags.append((rank, local, count))
+        # Only the first ceil(n / chunk) ranks hold elements of a parameter smaller than dp (a
+        # layernorm at 1,024 ranks): walking those, not all dp, keeps this O(pieces).
+        frags = [(rank, local, chunk) for rank in range(ceil_div(n, chunk) - 1)] if n else []
+        if n:
+            last = ceil_div(n, chunk) - 1
+            frags.append((last, local, n - last * chunk))
         out.append(frags)
         local += chunk
     return out
