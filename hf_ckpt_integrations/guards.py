@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 from .errors import CheckpointError, DestinationError, LayoutError, one_line
 
 __all__ = ["read_small_text", "read_latest", "check_tag_name", "config_problem", "read_config", "copyable_problem",
-           "check_destination", "bad_metadata_as_input", "LATEST_LIMIT", "CONFIG_LIMIT"]
+           "check_destination", "bad_metadata_as_input", "refuse_unreadable_layouts", "LATEST_LIMIT", "CONFIG_LIMIT"]
 
 LATEST_LIMIT = 4096  # DeepSpeed writes the tag name alone ("global_step1000")
 CONFIG_LIMIT = 16 * 2**20  # config.json; a real one is a few KB
@@ -180,13 +180,28 @@ def bad_metadata_as_input(where):
 
 
 _PIPELINE_RE = re.compile(r"^layer_\d+(?:-[a-z]+_\d+)*-model_states\.pt$")
+_ZERO12_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_\d+_mp_rank_(\d+)_model_states\.pt$")
 
 
-def refuse_pipeline_parallel(tag_dir: str, names: Iterable[str]) -> None:
-    """DeepSpeed ``PipelineModule`` saves each layer as ``layer_XX[-model_YY]-model_states.pt``;
-    those are not read yet, so say so instead of a misleading layout error."""
-    found = sorted(n for n in names if _PIPELINE_RE.match(n))
+def refuse_unreadable_layouts(tag_dir: str, names: Iterable[str]) -> None:
+    """Name two layouts by their file names before anything is read (each used to surface as a
+    misleading layout error or a crash):
+
+    - DeepSpeed ``PipelineModule`` saves each layer as ``layer_XX[-model_YY]-model_states.pt``;
+      pipeline parallelism is not read yet;
+    - a ZeRO-1/2 model-states file (``mp_rank_XX_model_states.pt``) beside ZeRO-3 ones
+      (``zero_pp_rank_N_mp_rank_XX_model_states.pt``) of the same model-parallel rank: two saves mixed.
+    """
+    names = sorted(names)
+    found = [n for n in names if _PIPELINE_RE.match(n)]
     if found:
         raise LayoutError(f"{tag_dir}: a DeepSpeed pipeline-parallel checkpoint ({len(found)} "
                           f"layer_*-model_states.pt files, e.g. {found[0]}); hf-ckpt does not export pipeline "
                           "parallelism yet: consolidate it with DeepSpeed's own tools first")
+    zero3 = {m.group(1) for m in map(_ZERO3_MODEL_RE.match, names) if m}
+    both = [n for n in names if (m := _ZERO12_MODEL_RE.match(n)) and m.group(1) in zero3]
+    if both:
+        raise LayoutError(f"{tag_dir}: holds {both[0]} (a ZeRO-1/2 save) beside zero_pp_rank_*_mp_rank_"
+                          f"{_ZERO12_MODEL_RE.match(both[0]).group(1)}_model_states.pt (ZeRO-3 saves); files from "
+                          "different saves are mixed: copy one save's tag directory again")

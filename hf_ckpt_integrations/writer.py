@@ -14,11 +14,13 @@ Building blocks, used by :func:`write_plan` (offline export) and by the save-tim
    last, so the destination is absent, the previous complete export, or the new complete one.
 """
 
+import contextlib
 import errno
 import json
 import math
 import os
 import shutil
+import signal
 import stat
 import sys
 import time
@@ -392,7 +394,8 @@ class Staging:
                 return False
             try:
                 fsync_dir(self.path)
-                self._commit()
+                with _signals_held():  # an interrupt lands before the swap or after its cleanup
+                    self._commit()
                 fsync_dir(self._parent)
             except OSError as e:
                 shutil.rmtree(self.path, ignore_errors=True)
@@ -413,6 +416,23 @@ class Staging:
             os.rename(self.dst, old)
             os.rename(self.path, self.dst)
             shutil.rmtree(old, ignore_errors=True)
+
+
+_HELD = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Delay SIGINT/SIGTERM/SIGHUP (POSIX) until the block is done: the swap and the removal of the
+    previous export run to the end, and the interrupt is raised after them."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _subdirectory(path) -> Optional[str]:

@@ -288,6 +288,9 @@ def test_hf_dir_inputs_that_crashed(hf_export, tmp_path):
         index.write_text(json.dumps(d))
 
     case(lambda: weight_map(list), "'weight_map' is not a mapping")
+    weight_map(list)  # verify reads the export side the same way
+    assert_refused(hf_ckpt("verify", hf_export, "--against", hf_export.parent / "work" / "src"),
+                   match=str(hf_export))
     case(lambda: weight_map(lambda m: {k: "../../" + v for k, v in m.items()}), "not a file name")
     case(lambda: _header_file(shard, [1, 2]), str(hf_export))
     case(lambda: _header_file(shard, {"a": {"dtype": "F32", "shape": "x", "data_offsets": [0, 4]}}, b"1234"),
@@ -402,3 +405,15 @@ def test_pipeline_parallel_checkpoint_is_named(tmp_path):
         (tag / n).write_bytes(b"")
     dst = tmp_path / "out"
     assert_refused(hf_ckpt("export", tmp_path / "pp", dst), match="pipeline-parallel", dst=dst)
+
+
+def test_zero2_model_states_in_a_zero3_tag(engine_ckpt, tmp_path):
+    """A ZeRO-2 ``mp_rank_00_model_states.pt`` copied into a ZeRO-3 tag: named as two saves mixed
+    (it was a TypeError traceback)."""
+    src = tmp_path / "src"
+    shutil.copytree(engine_ckpt("z3-fp32") / "ckpt", src)
+    shutil.copy(engine_ckpt("z2-fp32") / "ckpt" / TAG / "mp_rank_00_model_states.pt", src / TAG)
+    dst = tmp_path / "out"
+    digest = tree_digest(src)
+    assert_refused(hf_ckpt("export", src, dst, "--config", engine_ckpt("z3-fp32") / "config"),
+                   match="files from different saves are mixed", dst=dst, src=src, digest=digest)

@@ -3,7 +3,7 @@
 import os
 
 from ..errors import CheckpointError
-from ..guards import bad_metadata_as_input, refuse_pipeline_parallel
+from ..guards import bad_metadata_as_input, config_problem, refuse_unreadable_layouts
 
 __all__ = ["build_plan"]
 
@@ -28,7 +28,11 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
     with bad_metadata_as_input(src):
         plan = _build_plan(src, tag, dtype, config, tp_rules)
         _check_types(plan)
-        return plan
+    if plan.config_dir is None:  # say why a config.json beside the checkpoint was not used
+        problem = config_problem(src)
+        if problem and os.path.lexists(os.path.join(src, "config.json")):
+            plan.notes.append(f"{problem}; pass --config DIR holding the model's config.json")
+    return plan
 
 
 def _check_types(plan):
@@ -64,7 +68,7 @@ def _build_plan(src, tag, dtype, config, tp_rules):
         config_dir = config if config is not None else deepspeed.find_config_dir([src])
         return hf_dir.build_plan(src, config_dir=config_dir)
     tag_dir, _ = deepspeed.resolve_tag_dir(src, tag)
-    refuse_pipeline_parallel(tag_dir, os.listdir(tag_dir))
+    refuse_unreadable_layouts(tag_dir, os.listdir(tag_dir))
     return deepspeed.build_plan(src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules)
 
 
