@@ -365,20 +365,24 @@ class Staging:
                                    "or choose another directory")
 
     def __enter__(self) -> str:
+        made = False
         try:
-            os.makedirs(self._parent, exist_ok=True)
-            self._lock()
-        except OSError as e:
-            raise disk_error(self.dst, e) from e
-        try:
-            self._remove_stale()
-            if os.path.lexists(self.dst):
-                self._check_replaceable()
-            os.mkdir(self.path)
-        except BaseException as e:
-            self._unlock()
-            if isinstance(e, OSError):
+            try:
+                os.makedirs(self._parent, exist_ok=True)
+                self._lock()
+                self._remove_stale()
+                if os.path.lexists(self.dst):
+                    self._check_replaceable()
+                made = not os.path.lexists(self.path)
+                os.mkdir(self.path)
+            except OSError as e:
                 raise disk_error(self.dst, e) from e
+        except BaseException:
+            # Also an interrupt (SIGINT/SIGTERM) that lands right after the mkdir, before the
+            # `with` block owns the directory: remove it here, since __exit__ will not run.
+            if made and os.path.isdir(self.path):
+                shutil.rmtree(self.path, ignore_errors=True)
+            self._unlock()
             raise
         return self.path
 
