@@ -157,7 +157,7 @@ def verify_command(args) -> int:
         print(f"ok: {report.checked} tensors bitwise equal to {args.against}")
         return EXIT_OK
     for line in report.differences:
-        print(f"differs: {line}")
+        print(f"differs: {one_line(line)}")
     print(f"{len(report.differences)} of {report.checked} tensors differ", file=sys.stderr)
     return EXIT_DIFFERENT
 

@@ -497,9 +497,12 @@ def write_plan(plan: ExportPlan, dst, *, dtype: Optional[str] = None, max_shard_
             if workers > 1 and len(jobs) > 1:
                 from concurrent.futures import ThreadPoolExecutor
 
-                with ThreadPoolExecutor(min(workers, len(jobs))) as pool:
+                pool = ThreadPoolExecutor(min(workers, len(jobs)))
+                try:
                     for future in [pool.submit(write_shard, path, ts, bar) for path, ts in jobs]:
                         future.result()  # the first failure propagates; Staging removes everything
+                finally:  # on a failure or an interrupt, shards not yet started are not written
+                    pool.shutdown(wait=True, cancel_futures=True)
             else:
                 for path, ts in jobs:
                     write_shard(path, ts, bar)

@@ -3,7 +3,7 @@
 import os
 
 from ..errors import CheckpointError
-from ..guards import bad_metadata_as_input, config_problem, refuse_unreadable_layouts
+from ..guards import bad_metadata_as_input, check_tag_name, config_problem, refuse_unreadable_layouts
 
 __all__ = ["build_plan"]
 
@@ -25,6 +25,8 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
     if not os.path.isdir(src):
         raise CheckpointError(f"{src}: is a file; pass the directory that holds it (a DeepSpeed save dir, "
                               "tag dir or Trainer checkpoint-N dir)")
+    if tag is not None:
+        check_tag_name(tag, "--tag")
     with bad_metadata_as_input(src):
         plan = _build_plan(src, tag, dtype, config, tp_rules)
         _check_types(plan)
