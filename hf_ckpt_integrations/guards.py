@@ -14,7 +14,7 @@ import stat
 from contextlib import contextmanager
 from typing import Iterable, Optional
 
-from .errors import CheckpointError, DestinationError, LayoutError, one_line
+from .errors import CheckpointError, DestinationError, LayoutError, OptionError, one_line
 
 __all__ = ["read_small_text", "read_latest", "check_tag_name", "config_problem", "read_config", "copyable_problem",
            "check_destination", "bad_metadata_as_input", "refuse_unreadable_layouts", "LATEST_LIMIT", "CONFIG_LIMIT"]
@@ -55,6 +55,8 @@ def read_small_text(path, *, limit: int, what: str) -> str:
 def check_tag_name(tag: str, origin: str) -> str:
     """``tag`` if it can name a directory inside the save dir; else CheckpointError quoting at
     most a short escaped prefix of it (``origin``: where the name came from)."""
+    if not isinstance(tag, str):
+        raise OptionError(f"{origin}: a tag is a directory name (a str), not {type(tag).__name__}")
     shown = one_line(tag[:_TAG_SHOWN]) + ("…" if len(tag) > _TAG_SHOWN else "")
     if (not tag or tag in (".", "..") or "/" in tag or "\\" in tag or len(tag) > 255
             or not tag.isprintable()):

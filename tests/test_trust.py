@@ -175,7 +175,7 @@ def test_api_raises_only_checkpoint_errors_for_bad_options(z2, tmp_path):
     from hf_ckpt_integrations.errors import CheckpointError
 
     for kwargs in [{"dtype": "fp8"}, {"dtype": torch.bfloat16}, {"max_shard_size": "banana"},
-                   {"max_shard_size": -1}, {"workers": 0}]:
+                   {"max_shard_size": -1}, {"workers": 0}, {"tag": 2}]:
         with pytest.raises(CheckpointError):
             export_checkpoint(z2, tmp_path / "out", **kwargs)
         assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
