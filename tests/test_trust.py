@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -349,7 +348,7 @@ def test_sigterm_and_sighup_clean_up_like_ctrl_c(z2, tmp_path, sig):
                 proc.send_signal(sig)
         finally:
             proc.send_signal(signal.SIGCONT)
-        out, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=120)
         if caught:
             break
         shutil.rmtree(dst, ignore_errors=True)
