@@ -3,23 +3,43 @@
 Each command is ``X_command(args)`` plus ``X_command_parser(subparsers=None)``, so it works
 standalone or as a subcommand and tests can call ``parser.parse_args([...])`` directly.
 Exit codes: 0 success, 1 verification found a difference, 2 bad input or refused checkpoint
-(one ``error:`` line on stderr naming the file and what to do).
+(one ``error:`` line on stderr naming the file and what to do), 3 an internal error (a bug: one
+``error:`` line; the traceback only with ``--debug``), 128+N when stopped by signal N (SIGINT,
+SIGTERM, SIGHUP) after removing what the export had staged. Every message goes through
+:func:`~.errors.one_line`, so a hostile file name cannot break the one-line contract.
 """
 
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
+import traceback
 
-from .errors import EXIT_BAD_INPUT, EXIT_DIFFERENT, EXIT_OK, CheckpointError
+from .errors import EXIT_BAD_INPUT, EXIT_DIFFERENT, EXIT_INTERNAL, EXIT_OK, CheckpointError, one_line
 
 __all__ = ["main", "build_parser", "inspect_command", "export_command", "verify_command"]
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse with the package's error contract: one ``error:`` line, exit 2 (no usage block)."""
+
+    def error(self, message):
+        print(f"error: {one_line(message)} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
 def _parser(subparsers, name, help_text):
     if subparsers is not None:
-        return subparsers.add_parser(name, help=help_text, description=help_text)
-    return argparse.ArgumentParser(prog=f"hf-ckpt {name}", description=help_text)
+        p = subparsers.add_parser(name, help=help_text, description=help_text)
+        default = argparse.SUPPRESS  # keep a --debug given before the command
+    else:
+        p = _ArgumentParser(prog=f"hf-ckpt {name}", description=help_text)
+        default = False
+    p.add_argument("--debug", action="store_true", default=default,
+                   help="on an internal error (exit 3), print the traceback too")
+    return p
 
 
 def inspect_command_parser(subparsers=None):
@@ -95,14 +115,14 @@ def export_command_parser(subparsers=None):
 
 def export_command(args) -> int:
     from .sources import build_plan
-    from .writer import write_plan
+    from .writer import check_max_shard_size, check_workers, write_plan
 
+    check_max_shard_size(args.max_shard_size)  # before reading the checkpoint
+    check_workers(args.workers)
     plan = build_plan(args.src, tag=args.tag, dtype=args.dtype, config=args.config, tp_rules=args.tp_rule)
     from .parallel import world_from_env, write_plan_parallel
 
     # Under `torchrun --nproc_per_node N -m hf_ckpt_integrations export ...` the ranks split the shards.
-    if args.workers < 1:
-        raise CheckpointError(f"--workers {args.workers}: pass 1 or more")
     if world_from_env() > 1:
         report = write_plan_parallel(plan, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                      overwrite=args.overwrite, quiet=args.quiet)
@@ -111,9 +131,8 @@ def export_command(args) -> int:
                             overwrite=args.overwrite, quiet=args.quiet, workers=args.workers)
     if os.environ.get("RANK", "0") != "0":
         return EXIT_OK
-    for note in plan.notes:
-        if "config.json" in note:
-            print(f"warning: {note}", file=sys.stderr)
+    for note in [n for n in plan.notes if "config.json" in n] + report.get("warnings", []):
+        print(f"warning: {one_line(note)}", file=sys.stderr)
     if not args.quiet:
         print(f"wrote {report['destination']}: {report['shards']} shard(s), {report['tensor_bytes']:,} tensor bytes, "
               f"{report['bytes_on_disk']:,} bytes on disk, {report['seconds']} s")
@@ -139,14 +158,15 @@ def verify_command(args) -> int:
         print(f"ok: {report.checked} tensors bitwise equal to {args.against}")
         return EXIT_OK
     for line in report.differences:
-        print(f"differs: {line}")
+        print(f"differs: {one_line(line)}")
     print(f"{len(report.differences)} of {report.checked} tensors differ", file=sys.stderr)
     return EXIT_DIFFERENT
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="hf-ckpt", description="Make distributed training checkpoints "
-                                     "loadable with from_pretrained: inspect, export, verify.")
+    parser = _ArgumentParser(prog="hf-ckpt", description="Make distributed training checkpoints "
+                             "loadable with from_pretrained: inspect, export, verify.")
+    parser.add_argument("--debug", action="store_true", help="on an internal error (exit 3), print the traceback too")
     sub = parser.add_subparsers(dest="command", required=True)
     inspect_command_parser(sub)
     export_command_parser(sub)
@@ -154,16 +174,58 @@ def build_parser():
     return parser
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (what a scheduler or a closed terminal sends), raised where the program
+    is, so every ``with Staging(...)`` on the way out removes what it staged, as for Ctrl-C."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum, frame):
+    for s in _STOP_SIGNALS:  # a second signal must not cut the cleanup short
+        signal.signal(s, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
+_STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+def _error(message) -> None:
+    print(f"error: {one_line(message)}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, _stop) for s in _STOP_SIGNALS}
     try:
         return args.func(args)
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        _error(e)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("error: interrupted; nothing was written", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+        _error(f"stopped by {signal.Signals(signum).name}; no partial export and no temporary directory were left")
+        return 128 + signum
+    except OSError as e:  # the machine, not the package: a path, a permission, a device
+        _error(f"{e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}; check the path, permissions "
+               "and free space")
+        return EXIT_BAD_INPUT
+    except Exception as e:
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        _error(f"internal error ({type(e).__name__}: {str(e)[:300]}); this is a bug in hf-ckpt: please report it "
+               "with the command" + ("" if getattr(args, "debug", False) else " and the output of the same command "
+                                     "with --debug"))
+        return EXIT_INTERNAL
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,36 @@
 """Errors raised for checkpoints the package refuses.
 
 Every message names the file (or tensor) and says what to do; the CLI prints it as one
-``error:`` line and exits with :data:`EXIT_BAD_INPUT`.
+``error:`` line (through :func:`one_line`) and exits with :data:`EXIT_BAD_INPUT`. Anything else
+that escapes is a bug: one ``error:`` line and :data:`EXIT_INTERNAL`.
 """
 
 __all__ = [
     "EXIT_OK",
     "EXIT_DIFFERENT",
     "EXIT_BAD_INPUT",
+    "EXIT_INTERNAL",
+    "one_line",
     "CheckpointError",
     "UnsafeCheckpointError",
     "LayoutError",
     "DestinationError",
+    "OptionError",
 ]
 
 EXIT_OK = 0
 EXIT_DIFFERENT = 1
 EXIT_BAD_INPUT = 2
+EXIT_INTERNAL = 3
+
+
+def one_line(text) -> str:
+    """``text`` with every control character escaped (``\\n``, ``\\x1b``...), so a message that
+    quotes a hostile file name or tag stays one line and cannot drive the terminal."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
 
 
 class CheckpointError(Exception):
@@ -36,3 +50,8 @@ class LayoutError(CheckpointError):
 
 class DestinationError(CheckpointError):
     """The output directory cannot be written as asked (exists, not writable, disk full)."""
+
+
+class OptionError(CheckpointError, ValueError):
+    """An option of an export call that cannot be honoured (``dtype="fp8"``, ``max_shard_size="banana"``).
+    Also a ``ValueError``, which callers of the option parsers caught before."""

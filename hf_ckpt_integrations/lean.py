@@ -8,8 +8,8 @@ already own their bytes. :func:`lean_state_dict` copies only what needs it; :fun
 measures the problem in files already written.
 """
 
-import json
 import os
+import re
 import zipfile
 from typing import Dict, List
 
@@ -53,11 +53,12 @@ def lean_state_dict(state_dict):
 
 
 def _audit_safetensors(path) -> dict:
+    from .verify import _read_header  # one safetensors header parser (checks sizes before reading)
+
+    spans = _read_header(path)
+    tensor_bytes = sum(nbytes for _, _, _, nbytes in spans.values())
     with open(path, "rb") as fh:
         size = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(size))
-    spans = [v["data_offsets"] for k, v in header.items() if k != "__metadata__"]
-    tensor_bytes = sum(e - s for s, e in spans)
     data = os.path.getsize(path) - 8 - size
     return {"format": "safetensors", "tensors": len(spans), "tensor_bytes": tensor_bytes, "storage_bytes": data}
 
@@ -86,16 +87,23 @@ def _audit_torch_zip(path) -> dict:
             "storage_bytes": sum(storages.values())}
 
 
-def audit(path) -> dict:
+_WEIGHT_FILE = re.compile(r"^(?:pytorch_model.*\.bin|model.*\.safetensors)$")
+
+
+def audit(path, files=None) -> dict:
     """Storage bytes vs tensor bytes, per weight file of an HF directory (or one ``.bin``/
     ``.safetensors`` file). Reads headers and pickles only (no torch, nothing executed).
+
+    In a directory only the weight files are read: ``files`` (names, e.g. those its index names),
+    or by default ``pytorch_model*.bin`` and ``model*.safetensors`` — never the Trainer's own
+    ``optimizer.pt``, ``rng_state.pth`` or ``training_args.bin`` beside them.
 
     Returns ``{"files": {name: {format, tensors, tensor_bytes, storage_bytes, ratio}},
     "tensor_bytes": n, "storage_bytes": n, "ratio": storage/tensor}``; a ratio above 1 is bloat.
     """
     path = os.fspath(path)
     if os.path.isdir(path):
-        names = sorted(n for n in os.listdir(path) if n.endswith((".safetensors", ".bin", ".pt", ".pth")))
+        names = sorted(files) if files is not None else sorted(n for n in os.listdir(path) if _WEIGHT_FILE.match(n))
         files = [os.path.join(path, n) for n in names]
     else:
         files = [path]

@@ -27,8 +27,8 @@ from typing import Dict, List, Optional
 from .errors import CheckpointError, DestinationError
 from .plan import ExportPlan
 from .safe_load import MappedFiles
-from .writer import (MAX_SHARD_SIZE, Staging, copy_config_files, plan_tensors, progress_bar, split_shards,
-                     write_index, write_shard)
+from .writer import (MAX_SHARD_SIZE, Staging, check_max_shard_size, copy_config_files, plan_inputs, plan_tensors,
+                     progress_bar, split_shards, write_index, write_shard)
 
 __all__ = ["ParallelExportError", "write_plan_parallel", "world_from_env"]
 
@@ -71,6 +71,7 @@ def write_plan_parallel(plan: ExportPlan, dst, *, dtype: Optional[str] = None, m
     :class:`ParallelExportError` (failures collected from all ranks) on every rank; in both cases
     nothing is left at ``dst`` but what was there before.
     """
+    max_shard_size = check_max_shard_size(max_shard_size)  # the same answer on every rank, before any collective
     dist = _dist()
     created = not dist.is_initialized()
     if created:
@@ -85,13 +86,13 @@ def write_plan_parallel(plan: ExportPlan, dst, *, dtype: Optional[str] = None, m
 def _write(dist, plan, dst, dtype, max_shard_size, overwrite, quiet, group):
     started = time.perf_counter()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    dst = os.path.abspath(os.fspath(dst))
-    staging = Staging(dst, overwrite=overwrite) if rank == 0 else None
+    staging = None
 
-    # 1. rank 0 prepares the staging directory; everyone learns its path (or rank 0's refusal).
+    # 1. rank 0 checks dst and prepares the staging directory; everyone learns its path (or the refusal).
     box: List = [None, None]
     if rank == 0:
         try:
+            staging = Staging(dst, overwrite=overwrite, inputs=plan_inputs(plan), configs=[plan.config_dir])
             box = [staging.__enter__(), None]
         except CheckpointError as e:
             box = [None, str(e)]
@@ -99,7 +100,18 @@ def _write(dist, plan, dst, dtype, max_shard_size, overwrite, quiet, group):
     tmp, refusal = box
     if refusal is not None:
         raise DestinationError(refusal)
+    try:
+        return _write_staged(dist, plan, dst, staging, tmp, rank, world, dtype, max_shard_size, quiet, group, started)
+    except BaseException as e:  # an interrupt (SIGINT/SIGTERM) too: rank 0 removes what it created
+        if staging is not None:
+            staging.__exit__(type(e), e, None)  # no-op when it already ran
+        raise
 
+
+def _write_staged(dist, plan, dst, staging, tmp, rank, world, dtype, max_shard_size, quiet, group, started):
+    dst = staging.dst if staging is not None else os.path.abspath(os.fspath(dst))
+
+    skipped: List[str] = []
     with MappedFiles() as files:
         error = None
         mine: List[str] = []
@@ -136,12 +148,12 @@ def _write(dist, plan, dst, dtype, max_shard_size, overwrite, quiet, group):
             raise ParallelExportError(dst, failures)
 
         # 4. rank 0 finishes the directory and renames it into place.
-        outcome: List = [None, []]  # [rank 0's failure, config files copied]
+        outcome: List = [None, [], dst, skipped]  # [rank 0's failure, config files copied, dst, warnings]
         if rank == 0:
             try:
                 if split.is_sharded:
                     write_index(tmp, split, tensors)
-                outcome[1] = copy_config_files(plan.config_dir, tmp)
+                outcome[1] = copy_config_files(plan.config_dir, tmp, skipped)
             except Exception as e:
                 outcome[0] = _message(e)
                 try:
@@ -156,6 +168,7 @@ def _write(dist, plan, dst, dtype, max_shard_size, overwrite, quiet, group):
         dist.broadcast_object_list(outcome, src=0, group=group)
         if outcome[0] is not None:
             raise ParallelExportError(dst, {0: outcome[0]})
+        dst = outcome[2]
 
     shards_by_rank: Dict[int, List[str]] = {}
     for i, (f, _) in enumerate(shards):
@@ -163,6 +176,6 @@ def _write(dist, plan, dst, dtype, max_shard_size, overwrite, quiet, group):
     names = sorted(os.listdir(dst))
     return {"destination": dst, "files": names, "shards": len(shards), "tensor_bytes": sum(t.nbytes for t in tensors),
             "bytes_on_disk": sum(os.path.getsize(os.path.join(dst, f)) for f in names),
-            "config_files": outcome[1],
+            "config_files": outcome[1], "warnings": outcome[3],
             "seconds": round(time.perf_counter() - started, 3), "world_size": world,
             "shards_by_rank": shards_by_rank}

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from .errors import OptionError
+
 __all__ = ["Piece", "TensorPlan", "ExportPlan", "DTYPE_NAMES", "dtype_from_name"]
 
 # CLI/user names -> safetensors names
@@ -25,8 +27,8 @@ def dtype_from_name(name: Optional[str]) -> Optional[str]:
         return None
     try:
         return DTYPE_NAMES[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16") from None
+    except (KeyError, AttributeError):
+        raise OptionError(f"unknown dtype {str(name)[:40]!r}; use one of fp32, bf16, fp16") from None
 
 
 @dataclass(frozen=True)

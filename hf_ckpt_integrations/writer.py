@@ -14,26 +14,31 @@ Building blocks, used by :func:`write_plan` (offline export) and by the save-tim
    last, so the destination is absent, the previous complete export, or the new complete one.
 """
 
+import contextlib
 import errno
 import json
 import math
 import os
 import shutil
+import signal
+import stat
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 from huggingface_hub import split_state_dict_into_shards_factory
 
 from .assemble import FileRange, iter_bytes, out_dtype_for
-from .errors import DestinationError
+from .errors import DestinationError, OptionError
+from .guards import check_destination, copyable_problem
 from .plan import ExportPlan, dtype_from_name
 from .safe_load import DTYPE_SIZES, MappedFiles
 
 __all__ = ["OutTensor", "split_shards", "shard_order", "write_shard", "write_index", "copy_config_files", "Staging",
            "write_plan", "MAX_SHARD_SIZE", "SAFETENSORS_FILENAME_PATTERN", "INDEX_NAME", "TMP_MARKER",
-           "CONFIG_FILES"]
+           "CONFIG_FILES", "check_max_shard_size", "check_workers", "plan_inputs"]
 
 MAX_SHARD_SIZE = "5GB"
 SAFETENSORS_FILENAME_PATTERN = "model{suffix}.safetensors"
@@ -58,6 +63,32 @@ class OutTensor:
     @property
     def nbytes(self) -> int:
         return DTYPE_SIZES[self.dtype] * math.prod(self.shape)
+
+
+def check_max_shard_size(max_shard_size) -> int:
+    """``max_shard_size`` ("5GB", "500MB" or a byte count) in bytes; :class:`~.errors.OptionError` otherwise."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        size = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
+    except ValueError:
+        size = None
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise OptionError(f"max shard size {str(max_shard_size)[:40]!r}: not a size; pass e.g. 5GB, 500MB or a "
+                          "number of bytes")
+    return size
+
+
+def check_workers(workers) -> int:
+    """``workers`` if it is a whole number of at least 1; :class:`~.errors.OptionError` otherwise."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise OptionError(f"--workers {workers!r}: pass 1 or more")
+    return workers
+
+
+def plan_inputs(plan: ExportPlan) -> List[str]:
+    """The directories an export of ``plan`` reads: what its destination must stay clear of."""
+    return sorted({plan.source, *(os.path.dirname(f) for f in plan.files)} - {None, ""})
 
 
 def split_shards(tensors: Sequence[OutTensor], max_shard_size=MAX_SHARD_SIZE):
@@ -167,13 +198,29 @@ def write_index(directory, split, tensors: Sequence[OutTensor]) -> None:
         fh.write("\n")
 
 
-def copy_config_files(config_dir: Optional[str], directory) -> List[str]:
+def copy_config_files(config_dir: Optional[str], directory, skipped: Optional[List[str]] = None) -> List[str]:
+    """Copy the :data:`CONFIG_FILES` that ``config_dir`` holds into ``directory``; return their names.
+
+    Only regular files inside ``config_dir`` are copied (a link inside it is followed): a
+    ``tokenizer.json`` linked to a private key must not end up in an export that users upload.
+    Each file skipped is reported by a message appended to ``skipped`` (a warning when None).
+    """
     copied = []
     if config_dir:
         for name in CONFIG_FILES:
             p = os.path.join(config_dir, name)
-            if os.path.isfile(p) and os.path.abspath(p) != os.path.abspath(os.path.join(directory, name)):
-                shutil.copyfile(p, os.path.join(directory, name))
+            if not os.path.lexists(p):
+                continue
+            problem = copyable_problem(p, config_dir)
+            if problem is not None:
+                if skipped is None:
+                    warnings.warn(problem, stacklevel=2)
+                else:
+                    skipped.append(problem)
+                continue
+            real, out = os.path.realpath(p), os.path.join(directory, name)
+            if real != os.path.realpath(out):  # a save-time hook writes into the config dir itself
+                shutil.copyfile(real, out)
                 copied.append(name)
     return copied
 
@@ -237,18 +284,26 @@ class Staging:
     - ``--overwrite`` swaps the directories in one ``renameat2(RENAME_EXCHANGE)`` on Linux, so
       ``dst`` is always the old complete export or the new one; elsewhere two renames (a crash
       between them is repaired by the next run, as above).
+
+    What it removes, and nothing else: its own staging directory; with ``overwrite`` the previous
+    ``dst``, which must be a flat directory of files (what an export is — never a directory
+    holding subdirectories, such as a save dir, a home or the working directory); and temp
+    siblings named ``.<dst>.hfckpt-tmp-*`` that are files, links (the link itself) or flat
+    directories. ``dst`` is resolved through symbolic links first and must stay clear of
+    ``inputs`` and ``configs`` (:func:`~.guards.check_destination`).
     """
 
     LOCK_SUFFIX = ".hfckpt-lock"
 
-    def __init__(self, dst, *, overwrite: bool = False):
-        self.dst = os.path.abspath(os.fspath(dst))
+    def __init__(self, dst, *, overwrite: bool = False, inputs=(), configs=()):
+        self.dst = check_destination(dst, inputs=inputs, configs=configs)
         self.overwrite = overwrite
         self._parent, base = os.path.dirname(self.dst), os.path.basename(self.dst)
         self._prefix = f".{base}{TMP_MARKER}"
         self.path = os.path.join(self._parent, f"{self._prefix}{os.getpid()}")
         self.lock_path = os.path.join(self._parent, f".{base}{self.LOCK_SUFFIX}")
         self._lock_fd = None
+        self._done = False
 
     def _lock(self) -> None:
         try:
@@ -285,36 +340,56 @@ class Staging:
             self._lock_fd = None
 
     def _remove_stale(self) -> None:
-        """Under the lock: every temp sibling of ``dst`` is left over from a dead writer."""
+        """Under the lock: every temp sibling of ``dst`` is left over from a dead writer. Only
+        what a writer makes is removed: a file, a link, or a flat directory of files."""
         stale = sorted(n for n in os.listdir(self._parent) if n.startswith(self._prefix))
         for n in stale:
             p = os.path.join(self._parent, n)
             if n.startswith(f"{self._prefix}old-") and not os.path.lexists(self.dst):
                 os.rename(p, self.dst)  # the previous complete export, parked by a fallback replace
-            else:
-                shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
+            elif not stat.S_ISDIR(os.lstat(p).st_mode):
+                os.unlink(p)  # a file, or a link (never what it points at)
+            elif _subdirectory(p) is None:
+                shutil.rmtree(p)
+
+    def _check_replaceable(self) -> None:
+        """``dst`` exists: refuse unless ``overwrite`` and it is a flat directory (an export)."""
+        if not self.overwrite:
+            raise DestinationError(f"{self.dst}: already exists; choose a new directory or pass --overwrite")
+        if not stat.S_ISDIR(os.lstat(self.dst).st_mode):
+            raise DestinationError(f"{self.dst}: exists and is not a directory; remove it or choose another path")
+        sub = _subdirectory(self.dst)
+        if sub is not None:
+            raise DestinationError(f"{self.dst}: holds a subdirectory ({sub}), so it is not an earlier export; "
+                                   "--overwrite replaces only an export (a directory of files): remove it yourself "
+                                   "or choose another directory")
 
     def __enter__(self) -> str:
+        made = False
         try:
-            os.makedirs(self._parent, exist_ok=True)
-            self._lock()
-        except OSError as e:
-            raise disk_error(self.dst, e) from e
-        try:
-            self._remove_stale()
-            if os.path.lexists(self.dst) and not self.overwrite:
-                raise DestinationError(f"{self.dst}: already exists; choose a new directory or pass --overwrite")
-            if os.path.lexists(self.dst) and not os.path.isdir(self.dst):
-                raise DestinationError(f"{self.dst}: exists and is not a directory; remove it or choose another path")
-            os.mkdir(self.path)
-        except BaseException as e:
-            self._unlock()
-            if isinstance(e, OSError):
+            try:
+                os.makedirs(self._parent, exist_ok=True)
+                self._lock()
+                self._remove_stale()
+                if os.path.lexists(self.dst):
+                    self._check_replaceable()
+                made = not os.path.lexists(self.path)
+                os.mkdir(self.path)
+            except OSError as e:
                 raise disk_error(self.dst, e) from e
+        except BaseException:
+            # Also an interrupt (SIGINT/SIGTERM) that lands right after the mkdir, before the
+            # `with` block owns the directory: remove it here, since __exit__ will not run.
+            if made and os.path.isdir(self.path):
+                shutil.rmtree(self.path, ignore_errors=True)
+            self._unlock()
             raise
         return self.path
 
     def __exit__(self, exc_type, exc, tb):
+        if self._done:  # idempotent: the parallel writer may call it again on an interrupt
+            return False
+        self._done = True
         try:
             if exc_type is not None:
                 shutil.rmtree(self.path, ignore_errors=True)
@@ -323,7 +398,8 @@ class Staging:
                 return False
             try:
                 fsync_dir(self.path)
-                self._commit()
+                with _signals_held():  # an interrupt lands before the swap or after its cleanup
+                    self._commit()
                 fsync_dir(self._parent)
             except OSError as e:
                 shutil.rmtree(self.path, ignore_errors=True)
@@ -344,6 +420,32 @@ class Staging:
             os.rename(self.dst, old)
             os.rename(self.path, self.dst)
             shutil.rmtree(old, ignore_errors=True)
+
+
+_HELD = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Delay SIGINT/SIGTERM/SIGHUP (POSIX) until the block is done: the swap and the removal of the
+    previous export run to the end, and the interrupt is raised after them."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _subdirectory(path) -> Optional[str]:
+    """The name of one subdirectory of ``path`` (not following links), or None for a flat directory."""
+    with os.scandir(path) as it:
+        for entry in it:
+            if entry.is_dir(follow_symlinks=False):
+                return entry.name
+    return None
 
 
 def progress_bar(total, desc, quiet):
@@ -374,32 +476,41 @@ def write_plan(plan: ExportPlan, dst, *, dtype: Optional[str] = None, max_shard_
     ``workers`` > 1 writes that many shards at once from a thread pool (file copies and fsyncs
     release the GIL; the bytes are identical to one worker's).
 
-    Raises :class:`DestinationError` when ``dst`` exists (without ``overwrite``) or cannot be
-    written; on any failure nothing is left behind but what was at ``dst`` before.
+    Raises :class:`DestinationError` when ``dst`` exists (without ``overwrite``), is or holds or lies
+    inside the source, or cannot be written; :class:`~.errors.OptionError` for a bad option; on any
+    failure nothing is left behind but what was at ``dst`` before. Config files that are not copied
+    (:func:`copy_config_files`) are listed in the report's ``warnings``.
     """
     started = time.perf_counter()
+    max_shard_size = check_max_shard_size(max_shard_size)
+    check_workers(workers)
+    staging = Staging(dst, overwrite=overwrite, inputs=plan_inputs(plan), configs=[plan.config_dir])
+    skipped: List[str] = []
     with MappedFiles() as files:
         tensors = plan_tensors(plan, dtype, files, ranges=True)
         split = split_shards(tensors, max_shard_size)
         by_name = {t.name: t for t in tensors}
         total = sum(t.nbytes for t in tensors)
-        with Staging(dst, overwrite=overwrite) as tmp, progress_bar(total, "export", quiet) as bar:
+        with staging as tmp, progress_bar(total, "export", quiet) as bar:
             jobs = [(os.path.join(tmp, f), [by_name[n] for n in names])
                     for f, names in split.filename_to_tensors.items()]
             if workers > 1 and len(jobs) > 1:
                 from concurrent.futures import ThreadPoolExecutor
 
-                with ThreadPoolExecutor(min(workers, len(jobs))) as pool:
+                pool = ThreadPoolExecutor(min(workers, len(jobs)))
+                try:
                     for future in [pool.submit(write_shard, path, ts, bar) for path, ts in jobs]:
                         future.result()  # the first failure propagates; Staging removes everything
+                finally:  # on a failure or an interrupt, shards not yet started are not written
+                    pool.shutdown(wait=True, cancel_futures=True)
             else:
                 for path, ts in jobs:
                     write_shard(path, ts, bar)
             if split.is_sharded:
                 write_index(tmp, split, tensors)
-            copied = copy_config_files(plan.config_dir, tmp)
-    dst = os.path.abspath(os.fspath(dst))
+            copied = copy_config_files(plan.config_dir, tmp, skipped)
+    dst = staging.dst
     names = sorted(os.listdir(dst))
     return {"destination": dst, "files": names, "shards": len(split.filename_to_tensors), "tensor_bytes": total,
             "bytes_on_disk": sum(os.path.getsize(os.path.join(dst, f)) for f in names), "config_files": copied,
-            "seconds": round(time.perf_counter() - started, 3)}
+            "warnings": skipped, "seconds": round(time.perf_counter() - started, 3)}

@@ -46,6 +46,8 @@ CASES = {
     **{f"z{s}-frozen": ("ds_train.py", 2, ["--stage", str(s), "--variant", "frozen"]) for s in (1, 2, 3)},
     **{f"z{s}-tied": ("ds_train.py", 2, ["--stage", str(s), "--variant", "tied"]) for s in (2, 3)},
     "trainer-z3": ("trainer_train.py", 2, ["--stage", "3"]),
+    # A plain Trainer checkpoint-N (no DeepSpeed): model.safetensors beside optimizer.pt & co.
+    "trainer-plain": ("trainer_plain.py", 1, []),
     # ConsolidatedCheckpointCallback (tests/test_trainer_callback.py); "-resume" resumes from "cb-z3".
     "cb-z3": ("trainer_callback_run.py", 2, ["--stage", "3", "--save-total-limit", "2", "--max-shard-size", "300KB",
                                              "--final", "--fail-test"]),

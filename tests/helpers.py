@@ -9,10 +9,35 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def hf_ckpt(*args, env=None, timeout=300):
-    """Run the CLI in a fresh process; return CompletedProcess (text)."""
+def hf_ckpt(*args, env=None, timeout=300, cwd=REPO):
+    """Run the CLI in a fresh process (stdin closed: it must never prompt); return CompletedProcess (text)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return subprocess.run([sys.executable, "-m", "hf_ckpt_integrations", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
+                          text=True, timeout=timeout, cwd=cwd, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "PYTHONPATH": path, **(env or {})})
+
+
+def leftovers(parent):
+    """Names of ``.hfckpt-`` temp or lock entries in ``parent`` (none may survive an export)."""
+    return sorted(p.name for p in Path(parent).iterdir() if ".hfckpt-" in p.name)
+
+
+def assert_refused(r, *, match=None, dst=None, src=None, digest=None, code=2):
+    """The CLI refused cleanly: exit ``code``, exactly one stderr line and it starts ``error: ``
+    (contains ``match``), no traceback; ``dst`` absent with no temp sibling; ``src`` unchanged
+    (``tree_digest`` equal to ``digest``). Returns the error line."""
+    lines = r.stderr.splitlines()
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    if match is not None:
+        assert match in lines[0], lines[0]
+    if dst is not None:
+        assert not os.path.lexists(dst), dst
+        assert leftovers(Path(dst).parent) == []
+    if src is not None:
+        assert tree_digest(src) == digest
+    return lines[0]
 
 
 def tree_digest(path) -> str:

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from helpers import hf_ckpt, tree_digest
+from helpers import assert_refused, hf_ckpt, tree_digest
 
 pytestmark = pytest.mark.engine
 
@@ -28,16 +28,7 @@ def _tag(src):
 def _export_refused(src, tmp_path, *extra, match):
     dst = tmp_path / "out"
     before = tree_digest(src)
-    r = hf_ckpt("export", src, dst, *extra)
-    assert r.returncode == 2, r.stdout + r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    assert match in lines[0], lines[0]
-    assert "Traceback" not in r.stderr
-    assert not dst.exists()
-    assert not [p for p in tmp_path.iterdir() if ".hfckpt-tmp-" in p.name]
-    assert tree_digest(src) == before
-    return lines[0]
+    return assert_refused(hf_ckpt("export", src, dst, *extra), match=match, dst=dst, src=src, digest=before)
 
 
 def _optim(src, rank=0):

@@ -3,19 +3,56 @@
 import os
 
 from ..errors import CheckpointError
+from ..guards import bad_metadata_as_input, check_tag_name, config_problem, refuse_unreadable_layouts
 
 __all__ = ["build_plan"]
 
 
 def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
-    """Build the export plan for any supported checkpoint directory ``src``."""
+    """Build the export plan for any supported checkpoint directory ``src``.
+
+    Raises only :class:`~..errors.CheckpointError` for bad input: metadata of an unexpected type
+    or shape (which a source's own checks did not name) is reported as a
+    :class:`~..errors.LayoutError` naming ``src`` (:func:`~..guards.bad_metadata_as_input`).
+    """
     src = os.fspath(src)
+    if not src.strip():
+        raise CheckpointError("the source is an empty path (an unset shell variable?); pass the checkpoint "
+                              "directory")
     if not os.path.exists(src):
         raise CheckpointError(f"{src}: does not exist; pass a DeepSpeed save dir, a tag dir or a "
                               "Trainer checkpoint-N dir")
     if not os.path.isdir(src):
         raise CheckpointError(f"{src}: is a file; pass the directory that holds it (a DeepSpeed save dir, "
                               "tag dir or Trainer checkpoint-N dir)")
+    if tag is not None:
+        check_tag_name(tag, "--tag")
+    with bad_metadata_as_input(src):
+        plan = _build_plan(src, tag, dtype, config, tp_rules)
+        _check_types(plan)
+    if plan.config_dir is None:  # say why a config.json beside the checkpoint was not used
+        problem = config_problem(src)
+        if problem and os.path.lexists(os.path.join(src, "config.json")):
+            plan.notes.append(f"{problem}; pass --config DIR holding the model's config.json")
+    return plan
+
+
+def _check_types(plan):
+    """Every tensor of a plan has a str name, a known dtype and a shape of non-negative ints, whatever
+    the source read (a header may say ``"shape": "x"``); the writer relies on it."""
+    from ..errors import LayoutError
+    from ..errors import one_line
+    from ..safe_load import DTYPE_SIZES
+
+    for t in plan.tensors:
+        shape_ok = isinstance(t.shape, (tuple, list)) and all(type(d) is int and d >= 0 for d in t.shape)
+        if not isinstance(t.name, str) or t.src_dtype not in DTYPE_SIZES or not shape_ok:
+            raise LayoutError(f"{plan.source}: tensor {one_line(str(t.name)[:100])} is recorded with dtype "
+                              f"{one_line(str(t.src_dtype)[:20])} and shape {one_line(str(t.shape)[:60])}, which "
+                              "is not a tensor hf-ckpt can write; the checkpoint is corrupt")
+
+
+def _build_plan(src, tag, dtype, config, tp_rules):
     from . import deepspeed, hf_dir, universal
 
     # A universal checkpoint (ds_to_universal output): the directory itself, or a tag naming one.
@@ -32,6 +69,8 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
     if tag is None and hf_dir.is_hf_dir(src) and not _has_deepspeed(src):
         config_dir = config if config is not None else deepspeed.find_config_dir([src])
         return hf_dir.build_plan(src, config_dir=config_dir)
+    tag_dir, _ = deepspeed.resolve_tag_dir(src, tag)
+    refuse_unreadable_layouts(tag_dir, os.listdir(tag_dir))
     return deepspeed.build_plan(src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules)
 
 

@@ -13,7 +13,7 @@ import re
 from collections import OrderedDict
 from typing import Dict, List, Optional
 
-from .. import safe_load
+from .. import guards, safe_load
 from ..errors import CheckpointError, LayoutError
 from ..plan import ExportPlan, Piece, TensorPlan, dtype_from_name
 from . import layout
@@ -38,7 +38,7 @@ def resolve_tag_dir(src: str, tag: Optional[str] = None):
     ``checkpoint-N`` dir. Raises :class:`CheckpointError` naming what to pass instead."""
     src = os.path.abspath(src)
     if tag is not None:
-        cand = os.path.join(src, tag)
+        cand = os.path.join(src, guards.check_tag_name(tag, "--tag"))
         if _is_tag_dir(cand):
             return cand, tag
         if os.path.basename(src) == tag and _is_tag_dir(src):
@@ -46,11 +46,10 @@ def resolve_tag_dir(src: str, tag: Optional[str] = None):
         raise CheckpointError(f"{cand}: tag {tag!r} does not exist or holds no DeepSpeed files; "
                               f"tags found: {_list_tags(src) or 'none'}")
     latest = os.path.join(src, "latest")
-    if os.path.isfile(latest):
-        with open(latest, encoding="utf-8", errors="replace") as fh:
-            named = fh.read().strip()
+    if os.path.lexists(latest):
+        named = guards.read_latest(latest)  # a regular small file; never echoed beyond a short tag name
         cand = os.path.join(src, named)
-        if not named or not _is_tag_dir(cand):
+        if not _is_tag_dir(cand):
             raise CheckpointError(f"{latest}: names tag {named!r}, but {cand} does not exist or holds no "
                                   f"DeepSpeed files; pass --tag with one of: {_list_tags(src) or 'none'}")
         return cand, named
@@ -75,8 +74,9 @@ def _list_tags(src: str) -> List[str]:
 
 
 def find_config_dir(candidates) -> Optional[str]:
+    """The first candidate holding a usable config.json (a regular file inside it, see guards)."""
     for d in candidates:
-        if d and os.path.isfile(os.path.join(d, "config.json")):
+        if d and guards.config_problem(d) is None:
             return d
     return None
 
@@ -542,13 +542,7 @@ def drop_tied_aliases(plan: ExportPlan):
     """Tied names (``lm_head.weight`` -> ``model.embed_tokens.weight``) are written once, as
     ``save_pretrained`` does; ``from_pretrained`` re-ties them. Kept when the config says the
     weights are not tied (the engine shared them by hand)."""
-    import json
-
-    try:
-        with open(os.path.join(plan.config_dir, "config.json"), encoding="utf-8") as fh:
-            cfg = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{plan.config_dir}/config.json: unreadable ({e}); fix it or pass --config")
+    cfg = guards.read_config(plan.config_dir)
     if cfg.get("tie_word_embeddings", True) is False and plan.aliases:
         by_name = {t.name: t for t in plan.tensors}
         for alias, target in plan.aliases.items():

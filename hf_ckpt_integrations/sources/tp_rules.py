@@ -98,13 +98,31 @@ def rule_from_hf_plan(name: str, plans: Dict[str, str], embeddings: Sequence[str
 
 def hf_plans_for(config_dir: str):
     """The HF tp plans (prefixed to full module paths), full parameter shapes and embedding module
-    paths of the model ``config_dir`` describes, built on the meta device. None without transformers."""
+    paths of the model ``config_dir`` describes, built on the meta device. None without transformers,
+    or for a ``model_type`` transformers does not know: code named by ``auto_map`` is never imported
+    (the other rules, or ``--tp-rule``, decide then). CheckpointError for a config.json that is not
+    a JSON object or that transformers cannot build a model from."""
     try:
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
     except ImportError:
         return None
-    cfg = AutoConfig.from_pretrained(config_dir)
+    from ..errors import CheckpointError
+    from ..guards import read_config
+
+    model_type = read_config(config_dir).get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return None
+    try:
+        return _hf_plans(config_dir, torch, AutoConfig, AutoModelForCausalLM)
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, OSError) as e:
+        raise CheckpointError(f"{config_dir}/config.json: transformers cannot build the {model_type!r} model it "
+                              f"describes ({type(e).__name__}: {str(e)[:200]}); fix it, pass --config a directory "
+                              "holding the model's config.json, or describe the merge with --tp-rule") from e
+
+
+def _hf_plans(config_dir, torch, AutoConfig, AutoModelForCausalLM):
+    cfg = AutoConfig.from_pretrained(config_dir, trust_remote_code=False)
     # Inside a live ZeRO-3 run (a save-time hook) from_config would build the model under
     # deepspeed.zero.Init and initialise it there, which fails on the meta device; transformers'
     # own "zero.Init already entered" flag makes it build a plain (meta) model.
@@ -113,11 +131,11 @@ def hf_plans_for(config_dir: str):
     not_zero3 = getattr(modeling_utils, "set_zero3_state", contextlib.nullcontext)
     with torch.device("meta"), not_zero3():
         try:
-            model = AutoModelForCausalLM.from_config(cfg)
+            model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
         except ValueError:
             from transformers import AutoModel
 
-            model = AutoModel.from_config(cfg)
+            model = AutoModel.from_config(cfg, trust_remote_code=False)
     plans: Dict[str, str] = {}
     base = getattr(model, "base_model_prefix", "")
     for key, style in (getattr(cfg, "base_model_tp_plan", None) or {}).items():

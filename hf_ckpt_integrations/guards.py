@@ -1,0 +1,209 @@
+"""Checks at the trust boundary: which small files a source may read, which files an export may
+copy, and which destinations an export may replace (docs/reliability.md, "Trust at the front door").
+
+A checkpoint directory is input from whoever made it (a download, an archive, a shared disk): a
+``latest`` or ``tokenizer.json`` may be a symbolic link to any file of this machine, a ``config.json``
+may hold any JSON value, and a destination typed by a user may be the source itself. Every rule
+here refuses (:class:`~.errors.CheckpointError`, exit 2) or skips; none reads more than it needs.
+"""
+
+import json
+import os
+import re
+import stat
+from contextlib import contextmanager
+from typing import Iterable, Optional
+
+from .errors import CheckpointError, DestinationError, LayoutError, OptionError, one_line
+
+__all__ = ["read_small_text", "read_latest", "check_tag_name", "config_problem", "read_config", "copyable_problem",
+           "check_destination", "bad_metadata_as_input", "refuse_unreadable_layouts", "LATEST_LIMIT", "CONFIG_LIMIT"]
+
+LATEST_LIMIT = 4096  # DeepSpeed writes the tag name alone ("global_step1000")
+CONFIG_LIMIT = 16 * 2**20  # config.json; a real one is a few KB
+_TAG_SHOWN = 64  # at most this much of a tag name is ever quoted back
+
+
+def read_small_text(path, *, limit: int, what: str) -> str:
+    """The UTF-8 text of ``path``, which must be a regular file (not a link, FIFO or device) of at
+    most ``limit`` bytes. Never quotes the content in an error."""
+    path = os.fspath(path)
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror}); check the path and permissions") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise CheckpointError(f"{path}: {what} is a symbolic link; it must be a regular file of the checkpoint "
+                              "(a link can point at any file of this machine): replace it with the file itself")
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path}: {what} is not a regular file; replace it with the file the engine wrote")
+    if st.st_size > limit:
+        raise CheckpointError(f"{path}: {what} is {st.st_size:,} bytes, more than the {limit:,} it can be; "
+                              "the file is not what the engine wrote: replace it")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as fh:
+            raw = fh.read(limit + 1)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror}); check the path and permissions") from None
+    try:
+        return raw[:limit].decode("utf-8")
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: {what} is not UTF-8 text; the file is corrupt: replace it") from None
+
+
+def check_tag_name(tag: str, origin: str) -> str:
+    """``tag`` if it can name a directory inside the save dir; else CheckpointError quoting at
+    most a short escaped prefix of it (``origin``: where the name came from)."""
+    if not isinstance(tag, str):
+        raise OptionError(f"{origin}: a tag is a directory name (a str), not {type(tag).__name__}")
+    shown = one_line(tag[:_TAG_SHOWN]) + ("…" if len(tag) > _TAG_SHOWN else "")
+    if (not tag or tag in (".", "..") or "/" in tag or "\\" in tag or len(tag) > 255
+            or not tag.isprintable()):
+        raise CheckpointError(f"{origin}: '{shown}' is not a tag name (a directory name inside the save dir); "
+                              "pass --tag with the tag directory to read")
+    return tag
+
+
+def read_latest(path) -> str:
+    """The tag name the DeepSpeed ``latest`` file at ``path`` holds (checked by :func:`check_tag_name`)."""
+    text = read_small_text(path, limit=LATEST_LIMIT, what="the 'latest' file")
+    tag = text.strip()
+    if not tag.strip("\0"):
+        what = f"{len(text)} NUL bytes" if text and not text.strip("\0") else "nothing"
+        raise CheckpointError(f"{path}: holds {what} instead of a tag name (the save was interrupted while writing "
+                              "it); pass --tag with the tag directory to read")
+    return check_tag_name(tag, path)
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def copyable_problem(path, root) -> Optional[str]:
+    """Why ``path`` must not be read or copied as a file of the directory ``root`` (None when it may):
+    it must resolve to a regular file inside ``root`` (a link inside the tree is fine; one that
+    leads out of it could expose any file of this machine in an export that users upload)."""
+    path, root = os.fspath(path), os.fspath(root)
+    real, real_root = os.path.realpath(path), os.path.realpath(root)
+    if not _inside(real, real_root):
+        return (f"{path}: a symbolic link to a file outside {root}; not copied (copy the file itself into the "
+                "export by hand if it is meant to be there)")
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        return f"{path}: cannot read it ({e.strerror}); not copied"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path}: not a regular file; not copied"
+    return None
+
+
+def config_problem(config_dir) -> Optional[str]:
+    """Why ``config_dir/config.json`` cannot serve as the model's config (None when it can)."""
+    p = os.path.join(os.fspath(config_dir), "config.json")
+    if not os.path.lexists(p):
+        return f"{p}: does not exist"
+    return copyable_problem(p, config_dir)
+
+
+def read_config(config_dir) -> dict:
+    """``config_dir/config.json`` as a dict: a regular file inside ``config_dir``, bounded, a JSON object."""
+    p = os.path.join(os.fspath(config_dir), "config.json")
+    problem = config_problem(config_dir)
+    if problem:
+        raise CheckpointError(f"{problem}; pass --config a directory holding the model's config.json")
+    try:
+        if os.path.getsize(p) > CONFIG_LIMIT:
+            raise CheckpointError(f"{p}: larger than {CONFIG_LIMIT:,} bytes, not a model config; pass --config a "
+                                  "directory holding the model's config.json")
+        with open(p, "rb") as fh:
+            cfg = json.loads(fh.read(CONFIG_LIMIT + 1).decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{p}: unreadable ({one_line(str(e))[:200]}); fix it or pass --config a directory "
+                              "holding the model's config.json") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{p}: holds a JSON {type(cfg).__name__ if cfg is not None else 'null'}, not an "
+                              "object; fix it or pass --config a directory holding the model's config.json")
+    return cfg
+
+
+def check_destination(dst, *, inputs: Iterable[str] = (), configs: Iterable[str] = ()) -> str:
+    """The real path to export into, after refusing destinations that would lose data.
+
+    ``inputs`` are the directories read (the source, the directories of its files): the
+    destination must not be one of them, hold one (an ancestor: replacing it deletes the
+    source) or lie inside one (writing there changes the source tree). ``configs`` (the config
+    directory) must not be the destination or inside it. An empty destination (an unset shell
+    variable) is refused: it would mean the working directory. Paths are compared after
+    resolving symbolic links, so a link to the source is the source.
+    """
+    raw = os.fspath(dst)
+    if not raw.strip():
+        raise DestinationError("the destination is an empty path (an unset shell variable?); it would mean the "
+                               "working directory: pass the directory to write")
+    real = os.path.realpath(raw)
+    if real == os.path.dirname(real):
+        raise DestinationError(f"{raw}: is the root of the file system; pass a new directory to write")
+    for src in inputs:
+        if not src:
+            continue
+        r = os.path.realpath(src)
+        if _inside(r, real):
+            what = "is the source" if r == real else "contains the source"
+            via = f" (it resolves to {real})" if real != os.path.abspath(raw) else ""
+            raise DestinationError(f"{raw}: {what} {src}{via}; replacing it would delete the checkpoint: choose "
+                                   "a directory outside it")
+        if _inside(real, r):
+            raise DestinationError(f"{raw}: lies inside the source {src}; writing there would change the "
+                                   "checkpoint: choose a directory outside it")
+    for cfg in configs:
+        if cfg and _inside(os.path.realpath(cfg), real):
+            raise DestinationError(f"{raw}: is or contains the config directory {cfg}; replacing it would "
+                                   "delete the config: choose a directory outside it")
+    return real
+
+
+@contextmanager
+def bad_metadata_as_input(where):
+    """Turn the errors that malformed metadata raises while a plan is built (a list where a dict
+    belongs, a missing key, a number that is a string) into :class:`~.errors.LayoutError` naming
+    ``where``: they are bad input (exit 2), not bugs. The original stays chained for ``--debug``."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, UnicodeError) as e:
+        detail = one_line(f"{type(e).__name__}: {e}")
+        if len(detail) > 200:
+            detail = detail[:200] + "…"
+        raise LayoutError(f"{where}: unexpected metadata ({detail}); the checkpoint is corrupt or was written by an "
+                          "engine version hf-ckpt does not read yet — run with --debug for where it failed, and "
+                          "report it if the engine itself loads this checkpoint") from e
+
+
+_PIPELINE_RE = re.compile(r"^layer_\d+(?:-[a-z]+_\d+)*-model_states\.pt$")
+_ZERO12_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_\d+_mp_rank_(\d+)_model_states\.pt$")
+
+
+def refuse_unreadable_layouts(tag_dir: str, names: Iterable[str]) -> None:
+    """Name two layouts by their file names before anything is read (each used to surface as a
+    misleading layout error or a crash):
+
+    - DeepSpeed ``PipelineModule`` saves each layer as ``layer_XX[-model_YY]-model_states.pt``;
+      pipeline parallelism is not read yet;
+    - a ZeRO-1/2 model-states file (``mp_rank_XX_model_states.pt``) beside ZeRO-3 ones
+      (``zero_pp_rank_N_mp_rank_XX_model_states.pt``) of the same model-parallel rank: two saves mixed.
+    """
+    names = sorted(names)
+    found = [n for n in names if _PIPELINE_RE.match(n)]
+    if found:
+        raise LayoutError(f"{tag_dir}: a DeepSpeed pipeline-parallel checkpoint ({len(found)} "
+                          f"layer_*-model_states.pt files, e.g. {found[0]}); hf-ckpt does not export pipeline "
+                          "parallelism yet: consolidate it with DeepSpeed's own tools first")
+    zero3 = {m.group(1) for m in map(_ZERO3_MODEL_RE.match, names) if m}
+    both = [n for n in names if (m := _ZERO12_MODEL_RE.match(n)) and m.group(1) in zero3]
+    if both:
+        raise LayoutError(f"{tag_dir}: holds {both[0]} (a ZeRO-1/2 save) beside zero_pp_rank_*_mp_rank_"
+                          f"{_ZERO12_MODEL_RE.match(both[0]).group(1)}_model_states.pt (ZeRO-3 saves); files from "
+                          "different saves are mixed: copy one save's tag directory again")
