@@ -16,7 +16,7 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
     if not os.path.isdir(src):
         raise CheckpointError(f"{src}: is a file; pass the directory that holds it (a DeepSpeed save dir, "
                               "tag dir or Trainer checkpoint-N dir)")
-    from . import deepspeed, hf_dir, universal
+    from . import deepspeed, hf_dir, hub_layout, universal
 
     # A universal checkpoint (ds_to_universal output): the directory itself, or a tag naming one.
     for cand in ([os.path.join(src, tag)] if tag else []) + [src]:
@@ -26,6 +26,7 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
             plan = universal.build_plan(cand, config_dir=config_dir)
             if config_dir is not None:
                 deepspeed.drop_tied_aliases(plan)
+                hub_layout.convert_plan(plan)
             return plan
     # An HF-format directory (ColossalAI's own save, save_pretrained, an earlier export) — unless it
     # also holds a DeepSpeed checkpoint (a Trainer checkpoint-N), whose fp32 masters come first.

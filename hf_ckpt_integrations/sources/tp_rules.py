@@ -14,7 +14,6 @@ these that speaks decides (the ``source`` is reported by ``inspect``):
    to pass — a dimension is never guessed.
 """
 
-import contextlib
 import fnmatch
 import re
 from dataclasses import dataclass
@@ -99,25 +98,14 @@ def rule_from_hf_plan(name: str, plans: Dict[str, str], embeddings: Sequence[str
 def hf_plans_for(config_dir: str):
     """The HF tp plans (prefixed to full module paths), full parameter shapes and embedding module
     paths of the model ``config_dir`` describes, built on the meta device. None without transformers."""
-    try:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError:
+    from .hub_layout import meta_model
+
+    model = meta_model(config_dir)
+    if model is None:
         return None
-    cfg = AutoConfig.from_pretrained(config_dir)
-    # Inside a live ZeRO-3 run (a save-time hook) from_config would build the model under
-    # deepspeed.zero.Init and initialise it there, which fails on the meta device; transformers'
-    # own "zero.Init already entered" flag makes it build a plain (meta) model.
-    import transformers.modeling_utils as modeling_utils
+    import torch
 
-    not_zero3 = getattr(modeling_utils, "set_zero3_state", contextlib.nullcontext)
-    with torch.device("meta"), not_zero3():
-        try:
-            model = AutoModelForCausalLM.from_config(cfg)
-        except ValueError:
-            from transformers import AutoModel
-
-            model = AutoModel.from_config(cfg)
+    cfg = model.config
     plans: Dict[str, str] = {}
     base = getattr(model, "base_model_prefix", "")
     for key, style in (getattr(cfg, "base_model_tp_plan", None) or {}).items():
