@@ -53,7 +53,11 @@ def _builders(cfg, model_class):
         cls = getattr(transformers, str(arch), None)
         if cls is not None and hasattr(cls, "_from_config"):
             yield cls._from_config
-    yield from (AutoModelForCausalLM.from_config, AutoModelForSeq2SeqLM.from_config, AutoModel.from_config)
+    yield from (AutoModelForCausalLM.from_config, AutoModelForSeq2SeqLM.from_config)
+    auto_vlm = getattr(transformers, "AutoModelForImageTextToText", None)  # Llava, Qwen2-VL: text_config nested
+    if auto_vlm is not None:
+        yield auto_vlm.from_config
+    yield AutoModel.from_config
 
 
 def meta_model(config, model_class=None):
