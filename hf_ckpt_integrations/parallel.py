@@ -141,7 +141,7 @@ def _write(dist, plan, dst, dtype, max_shard_size, overwrite, quiet, group):
             try:
                 if split.is_sharded:
                     write_index(tmp, split, tensors)
-                outcome[1] = copy_config_files(plan.config_dir, tmp)
+                outcome[1] = copy_config_files(plan.config_dir, tmp, tensors)
             except Exception as e:
                 outcome[0] = _message(e)
                 try:
