@@ -116,3 +116,12 @@ def test_live_tensors_of_a_plain_moe_model_equal_save_pretrained(tmp_path):
     want, got = load_file(tmp_path / "ref" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in got
+
+
+def test_tied_group_is_written_under_the_name_save_pretrained_keeps():
+    from hf_ckpt_integrations.sources.hub_layout import tied_renames
+
+    model = meta_model(_tiny("gpt2"))
+    # An engine that recorded the head first (lm_head stored, wte its alias): save_pretrained keeps wte.
+    assert tied_renames(model, {"transformer.wte.weight": "lm_head.weight"}) == {"lm_head.weight": "transformer.wte.weight"}
+    assert tied_renames(model, {"lm_head.weight": "transformer.wte.weight"}) == {}

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import LayoutError
 
-__all__ = ["HubTensor", "meta_model", "hub_layout", "describe_conversions", "convert_plan", "live_layout"]
+__all__ = ["HubTensor", "meta_model", "hub_layout", "describe_conversions", "convert_plan", "live_layout", "tied_renames"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,24 @@ def _revert():
     except ImportError:  # transformers 4.x: no in-memory fusion, the layout is the identity
         return None
     return revert_weight_conversion
+
+
+def tied_renames(model, aliases: Dict[str, str]) -> Dict[str, str]:
+    """``{stored: name}`` for tied groups (``aliases``: tied name -> stored name) where
+    ``save_pretrained`` keeps another name than the one stored (``remove_tied_weights_from_state_dict``
+    of transformers 5, asked on the meta model); empty where they agree or transformers has no such rule."""
+    try:
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    except ImportError:
+        return {}
+    if not aliases or model is None:
+        return {}
+    kept = set(remove_tied_weights_from_state_dict(dict(model.state_dict()), model))
+    renames = {}
+    for alias, stored in aliases.items():
+        if stored not in kept and alias in kept:
+            renames[stored] = alias
+    return renames
 
 
 def hub_layout(shapes: Dict[str, Tuple[int, ...]], model) -> Optional[List[HubTensor]]:
@@ -207,6 +225,12 @@ def convert_plan(plan) -> None:
         plan.notes.append(f"config.json's model (type {model_type!r}) cannot be built by the installed "
                           "transformers and has no registered save-time conversion: names written as trained")
         return
+    renames = tied_renames(model, plan.aliases)
+    if renames:  # the tied group written under the name save_pretrained keeps
+        plan.tensors = [dataclasses.replace(t, name=renames[t.name]) if t.name in renames else t for t in plan.tensors]
+        plan.aliases = {(s if a == renames.get(s) else a): renames.get(s, s) for a, s in plan.aliases.items()}
+        plan.notes.append("tied weights written under the names save_pretrained keeps: "
+                          + ", ".join(f"{a} (stored as {s})" for s, a in renames.items()))
     shapes = {t.name: tuple(t.shape) for t in plan.tensors}
     layout = hub_layout(shapes, model)
     if layout is None:
@@ -225,11 +249,13 @@ def convert_plan(plan) -> None:
     plan.tensors = tensors
 
 
-def live_layout(module, shapes: Dict[str, Tuple[int, ...]]) -> List[Tuple[str, str, Tuple[int, ...], int]]:
+def live_layout(module, shapes: Dict[str, Tuple[int, ...]], aliases: Optional[Dict[str, str]] = None
+                ) -> List[Tuple[str, str, Tuple[int, ...], int]]:
     """``[(name, source, shape, offset)]`` to write for a live ``module`` whose (untied) state dict
-    has these names and full shapes: :func:`hub_layout` of a meta copy of ``module``'s class (with
-    the ``_weight_conversions`` ``from_pretrained`` attached, as ``save_pretrained`` uses them), or
-    the identity for a module transformers does not convert."""
+    has these names and full shapes (``aliases``: tied name -> the name kept in ``shapes``):
+    :func:`tied_renames` and :func:`hub_layout` of a meta copy of ``module``'s class (with the
+    ``_weight_conversions`` ``from_pretrained`` attached, as ``save_pretrained`` uses them), or the
+    identity for a module transformers does not convert."""
     identity = [(n, n, tuple(s), 0) for n, s in shapes.items()]
     config = getattr(module, "config", None)
     try:
@@ -244,7 +270,9 @@ def live_layout(module, shapes: Dict[str, Tuple[int, ...]]) -> List[Tuple[str, s
     conversions = getattr(module, "_weight_conversions", None)
     if conversions is not None:
         model._weight_conversions = conversions
-    layout = hub_layout(shapes, model)
+    renames = tied_renames(model, aliases or {})
+    back = {new: old for old, new in renames.items()}
+    layout = hub_layout({renames.get(n, n): s for n, s in shapes.items()}, model)
     if layout is None:
-        return identity
-    return [(h.name, h.source, h.shape, h.offset) for h in layout]
+        return [(renames.get(n, n), n, s, o) for n, _, s, o in identity]
+    return [(h.name, back.get(h.source, h.source), h.shape, h.offset) for h in layout]

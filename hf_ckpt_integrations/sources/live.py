@@ -93,7 +93,8 @@ def live_tensors(module, *, dtype: Optional[str] = None) -> List[LiveTensor]:
     cast = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(st_target)
     state = module.state_dict(keep_vars=True)
     owners = dict(module.named_modules())
-    seen = set()
+    seen = {}
+    aliases = {}  # tied name -> the name written
     sources = {}  # name -> (shape, out_dtype, read(lo, hi) -> chunks)
     for name, t in state.items():
         if t is None:
@@ -101,8 +102,9 @@ def live_tensors(module, *, dtype: Optional[str] = None) -> List[LiveTensor]:
         # Tied weights are one Parameter object under two names (ZeRO-3: one ds_id).
         key = ("ds", t.ds_id) if hasattr(t, "ds_id") else ("id", id(t))
         if key in seen:
-            continue  # tied: written once, under the first name
-        seen.add(key)
+            aliases[name] = seen[key]
+            continue  # tied: written once, under the first name (or the one save_pretrained keeps)
+        seen[key] = name
         floating = t.is_floating_point()
         out_dtype = st_target if (st_target and floating) else _st_dtype(t.dtype)
         owner = owners.get(name.rpartition(".")[0])
@@ -117,7 +119,7 @@ def live_tensors(module, *, dtype: Optional[str] = None) -> List[LiveTensor]:
     from .hub_layout import live_layout
 
     out: List[LiveTensor] = []
-    for name, src, shape, offset in live_layout(module, {n: s[0] for n, s in sources.items()}):
+    for name, src, shape, offset in live_layout(module, {n: s[0] for n, s in sources.items()}, aliases):
         _, out_dtype, read = sources[src]
         lo, hi = offset, offset + math.prod(shape)
 
