@@ -28,7 +28,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import LayoutError
 
-__all__ = ["HubTensor", "meta_model", "hub_layout", "describe_conversions", "convert_plan", "live_layout", "tied_renames"]
+__all__ = ["HubTensor", "meta_model", "hub_layout", "describe_conversions", "convert_plan", "live_layout",
+           "tied_renames"]
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ def hub_layout(shapes: Dict[str, Tuple[int, ...]], model) -> Optional[List[HubTe
     if list(out) == list(sources) and all(out[n] is sources[n] for n in sources):
         return None
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-    result, used = [], set()
+    result = []
     for name, t in out.items():
         base = t if id(t) in roots else t._base
         src = roots.get(id(base)) if base is not None else None
@@ -160,11 +161,17 @@ def hub_layout(shapes: Dict[str, Tuple[int, ...]], model) -> Optional[List[HubTe
                 "convert this layout and refuses rather than write names only one transformers version loads: "
                 "load the checkpoint in transformers and call save_pretrained, or report the model type")
         result.append(HubTensor(name, src, tuple(t.shape), t.storage_offset()))
-        used.add(src)
-    missing = sorted(set(sources) - used)
-    if missing:
-        raise LayoutError(f"{missing[0]}: transformers' save_pretrained for model type {model_type!r} drops it "
-                          f"({len(missing)} tensor(s)); refused: report the model type")
+    # Each trained tensor must be written exactly once: its slices tile it, no element dropped or doubled.
+    spans: Dict[str, List[Tuple[int, int]]] = {}
+    for h in result:
+        spans.setdefault(h.source, []).append((h.offset, h.offset + math.prod(h.shape)))
+    for src, shape in shapes.items():
+        covered = sorted(spans.get(src, []))
+        ends = [0] + [b for _, b in covered]
+        if [a for a, _ in covered] != ends[:-1] or ends[-1] != math.prod(shape):
+            raise LayoutError(f"{src}: transformers' save_pretrained for model type {model_type!r} does not write "
+                              f"it exactly once (slices {covered} of {math.prod(shape)} elements); refused: "
+                              "report the model type")
     return result
 
 
