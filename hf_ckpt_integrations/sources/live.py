@@ -22,9 +22,11 @@ Nothing is copied up front. Each tensor's ``chunks()`` yields its own bytes when
   not DeepSpeed's re-split copy, which under ZeRO-1/2 would no longer be a view of the flat
   buffer the optimizer updates.
 
-Names and order are the module's ``state_dict()`` (persistent buffers included); a tensor
-reached under two names (tied weights) is written once, under its first name, as
-``save_pretrained`` does.
+Names and order are the module's ``state_dict()`` (persistent buffers included), then converted
+to what ``save_pretrained`` writes (:mod:`.hub_layout`): a tensor reached under two names (tied
+weights) is written once, under the name ``save_pretrained`` keeps; a tensor transformers 5 fuses
+in memory (MoE experts) is written as its Hub slices, each read as an element range of the
+parameter (under ZeRO-3 only the partitions overlapping the range are broadcast).
 """
 
 import contextlib
