@@ -123,5 +123,6 @@ def test_tied_group_is_written_under_the_name_save_pretrained_keeps():
 
     model = meta_model(_tiny("gpt2"))
     # An engine that recorded the head first (lm_head stored, wte its alias): save_pretrained keeps wte.
-    assert tied_renames(model, {"transformer.wte.weight": "lm_head.weight"}) == {"lm_head.weight": "transformer.wte.weight"}
+    assert tied_renames(model, {"transformer.wte.weight": "lm_head.weight"}) == {
+        "lm_head.weight": "transformer.wte.weight"}
     assert tied_renames(model, {"lm_head.weight": "transformer.wte.weight"}) == {}
