@@ -69,6 +69,11 @@ def to_torch(t: TensorPlan, files: MappedFiles):
             out = torch.cat([_flat(p, files).view(s) for p, s in zip(t.parts, shapes)], dim=t.cat_dim)
         if t.keep_rows is not None:
             out = out[: t.keep_rows]
+        if t.elem_range is not None:  # one tensor of a Hub-layout split of the merged tensor
+            a, b = t.elem_range
+            out = out.contiguous().view(-1)[a:b]
+            if out.numel() == t.numel:
+                out = out.view(t.shape)
     if tuple(out.shape) != tuple(t.shape):
         raise LayoutError(f"{t.name}: assembled shape {tuple(out.shape)} != recorded {tuple(t.shape)}")
     return out

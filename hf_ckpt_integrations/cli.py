@@ -80,6 +80,8 @@ def inspect_command(args) -> int:
             by_rule.setdefault(t["rule"], []).append(t["name"])
         for rule, names in by_rule.items():
             print(f"merge       {len(names):3d} tensor(s) by {rule}")
+    for line in _conversion_lines(info.get("conversions") or []):
+        print(f"hub layout  {line}")
     for name, (before, after) in info["padding_removed"].items():
         print(f"padding     {name}: {before} -> {after} rows")
     print("dtypes      " + ", ".join(f"{k}={v}" for k, v in info["dtypes"].items()))
@@ -91,6 +93,20 @@ def inspect_command(args) -> int:
     for note in info["notes"]:
         print(f"note        {note}")
     return EXIT_OK
+
+
+def _conversion_lines(conversions):
+    """One line per group of like conversions (layer and expert numbers read as ``*``)."""
+    import re
+
+    def pattern(name):
+        return re.sub(r"\.\d+(?=\.)", ".*", name)
+
+    groups = {}
+    for c in conversions:
+        into = tuple(dict.fromkeys(pattern(n) for n in c["into"]))
+        groups.setdefault((pattern(c["source"]), c["op"], into), []).append(c)
+    return [f"{src} -> {', '.join(into)} ({op}; {len(cs)} tensor(s))" for (src, op, into), cs in groups.items()]
 
 
 def export_command_parser(subparsers=None):

@@ -153,7 +153,7 @@ def _write_staged(dist, plan, dst, staging, tmp, rank, world, dtype, max_shard_s
             try:
                 if split.is_sharded:
                     write_index(tmp, split, tensors)
-                outcome[1] = copy_config_files(plan.config_dir, tmp, skipped)
+                outcome[1] = copy_config_files(plan.config_dir, tmp, skipped, tensors=tensors)
             except Exception as e:
                 outcome[0] = _message(e)
                 try:

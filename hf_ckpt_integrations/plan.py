@@ -6,7 +6,9 @@ through it. Nothing here reads a file.
 An output tensor is ``pieces`` laid end to end (each a byte range of one source file, in the
 source dtype), then viewed as ``shape``. Tensor-parallel merges and vocabulary unpadding are
 expressed as ``parts`` (one flat list of pieces per slice, merged along ``cat_dim``) and
-``keep_rows``.
+``keep_rows``; a split into the Hub layout (one fused tensor -> N output tensors, see
+:mod:`.sources.hub_layout`) as ``elem_range``, or, where the tensor is a plain byte copy, as
+narrowed pieces (:func:`narrow_pieces`), so the copy stays a byte-range copy.
 """
 
 import math
@@ -15,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .errors import OptionError
 
-__all__ = ["Piece", "TensorPlan", "ExportPlan", "DTYPE_NAMES", "dtype_from_name"]
+__all__ = ["Piece", "TensorPlan", "ExportPlan", "DTYPE_NAMES", "dtype_from_name", "narrow_pieces"]
 
 # CLI/user names -> safetensors names
 DTYPE_NAMES = {"fp32": "F32", "float32": "F32", "bf16": "BF16", "bfloat16": "BF16", "fp16": "F16",
@@ -41,6 +43,26 @@ class Piece:
     dtype: str
 
 
+def narrow_pieces(pieces: List[Piece], start: int, count: int) -> List[Piece]:
+    """Elements ``[start, start + count)`` of the flat tensor ``pieces`` lay end to end, as pieces."""
+    from .safe_load import DTYPE_SIZES
+
+    out = []
+    for p in pieces:
+        if count <= 0:
+            break
+        if start >= p.numel:
+            start -= p.numel
+            continue
+        take = min(count, p.numel - start)
+        out.append(Piece(p.path, p.offset + start * DTYPE_SIZES[p.dtype], take, p.dtype))
+        count -= take
+        start = 0
+    if count > 0:
+        raise ValueError(f"element range past the end of the tensor ({count} elements missing)")
+    return out
+
+
 @dataclass
 class TensorPlan:
     """One output tensor.
@@ -49,7 +71,9 @@ class TensorPlan:
     exactly one part. Slice ``i`` has shape ``part_shapes[i]``; slices are concatenated along
     ``cat_dim``, then only the first ``keep_rows`` rows are kept (vocabulary padding), giving
     ``shape``. ``replicas`` are further copies of the single part (flat pieces each) that must
-    be byte-for-byte equal to it; they are checked, never written.
+    be byte-for-byte equal to it; they are checked, never written. ``elem_range`` ``(a, b)``:
+    only elements ``[a, b)`` of the assembled flat tensor are this output (a Hub-layout split of
+    a merged tensor), viewed as ``shape``; ``hub_source`` names the trained tensor it came from.
     """
 
     name: str
@@ -62,6 +86,8 @@ class TensorPlan:
     keep_rows: Optional[int] = None
     rule: Optional[str] = None  # where a TP merge rule came from
     replicas: List[List[Piece]] = field(default_factory=list)
+    elem_range: Optional[Tuple[int, int]] = None
+    hub_source: Optional[str] = None
 
     @property
     def numel(self) -> int:
@@ -70,7 +96,22 @@ class TensorPlan:
     @property
     def is_byte_copy(self) -> bool:
         """True when the output bytes are the source pieces laid end to end (the hot path)."""
-        return len(self.parts) == 1 and self.keep_rows is None
+        return len(self.parts) == 1 and self.keep_rows is None and self.elem_range is None
+
+    def narrowed(self, name: str, shape: Tuple[int, ...], start: int) -> "TensorPlan":
+        """Output ``name`` = elements ``[start, start + numel(shape))`` of this tensor, as ``shape``."""
+        count = math.prod(shape)
+        if self.is_byte_copy:
+            return TensorPlan(name, tuple(shape), self.src_dtype, [narrow_pieces(self.parts[0], start, count)],
+                              kind=self.kind, rule=self.rule, hub_source=self.name,
+                              replicas=[narrow_pieces(r, start, count) for r in self.replicas])
+        a, b = self.elem_range or (0, self.numel)
+        if start + count > b - a:
+            raise ValueError(f"{name}: elements [{start}, {start + count}) past the end of {self.name}")
+        return TensorPlan(name, tuple(shape), self.src_dtype, self.parts, kind=self.kind, cat_dim=self.cat_dim,
+                          part_shapes=self.part_shapes, keep_rows=self.keep_rows, rule=self.rule,
+                          replicas=self.replicas, elem_range=(a + start, a + start + count),
+                          hub_source=self.name)
 
 
 @dataclass
@@ -93,6 +134,7 @@ class ExportPlan:
     padding_removed: Dict[str, Tuple[int, int]] = field(default_factory=dict)  # name -> (rows before, after)
     mp_axis_reason: Optional[str] = None
     engine_version: Optional[str] = None  # the engine release that wrote the files (DeepSpeed's ds_version)
+    conversions: List[dict] = field(default_factory=list)  # Hub-layout splits/renames (hub_layout)
 
     def tensor_bytes(self, out_dtype: Optional[str] = None) -> int:
         from .safe_load import DTYPE_SIZES
@@ -124,10 +166,11 @@ class ExportPlan:
             "files": self.files,
             "notes": self.notes,
             "padding_removed": {k: list(v) for k, v in self.padding_removed.items()},
+            "conversions": self.conversions,
             "tensors": [
                 {"name": t.name, "shape": list(t.shape), "dtype": t.src_dtype, "kind": t.kind,
                  "pieces": sum(len(p) for p in t.parts), "cat_dim": t.cat_dim, "rule": t.rule,
-                 "replicas": len(t.replicas)}
+                 "replicas": len(t.replicas), "hub_source": t.hub_source}
                 for t in self.tensors
             ],
         }

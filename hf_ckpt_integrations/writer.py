@@ -37,8 +37,8 @@ from .plan import ExportPlan, dtype_from_name
 from .safe_load import DTYPE_SIZES, MappedFiles
 
 __all__ = ["OutTensor", "split_shards", "shard_order", "write_shard", "write_index", "copy_config_files", "Staging",
-           "write_plan", "MAX_SHARD_SIZE", "SAFETENSORS_FILENAME_PATTERN", "INDEX_NAME", "TMP_MARKER",
-           "CONFIG_FILES", "check_max_shard_size", "check_workers", "plan_inputs"]
+           "set_config_dtype", "write_plan", "MAX_SHARD_SIZE", "SAFETENSORS_FILENAME_PATTERN", "INDEX_NAME",
+           "TMP_MARKER", "CONFIG_FILES", "check_max_shard_size", "check_workers", "plan_inputs"]
 
 MAX_SHARD_SIZE = "5GB"
 SAFETENSORS_FILENAME_PATTERN = "model{suffix}.safetensors"
@@ -198,12 +198,14 @@ def write_index(directory, split, tensors: Sequence[OutTensor]) -> None:
         fh.write("\n")
 
 
-def copy_config_files(config_dir: Optional[str], directory, skipped: Optional[List[str]] = None) -> List[str]:
+def copy_config_files(config_dir: Optional[str], directory, skipped: Optional[List[str]] = None, *,
+                      tensors: Optional[Sequence[OutTensor]] = None) -> List[str]:
     """Copy the :data:`CONFIG_FILES` that ``config_dir`` holds into ``directory``; return their names.
 
     Only regular files inside ``config_dir`` are copied (a link inside it is followed): a
     ``tokenizer.json`` linked to a private key must not end up in an export that users upload.
     Each file skipped is reported by a message appended to ``skipped`` (a warning when None).
+    With ``tensors``, ``config.json`` then records their dtype (:func:`set_config_dtype`).
     """
     copied = []
     if config_dir:
@@ -222,7 +224,38 @@ def copy_config_files(config_dir: Optional[str], directory, skipped: Optional[Li
             if real != os.path.realpath(out):  # a save-time hook writes into the config dir itself
                 shutil.copyfile(real, out)
                 copied.append(name)
+    if tensors is not None:
+        set_config_dtype(directory, tensors)
     return copied
+
+
+_CONFIG_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def set_config_dtype(directory, tensors: Sequence[OutTensor]) -> None:
+    """Record the floating dtype of ``tensors`` (when they share one) in ``directory/config.json``, as
+    ``save_pretrained`` does: ``dtype`` on transformers 5, ``torch_dtype`` before (a key the config
+    already holds is kept). No config.json: nothing to do."""
+    path = os.path.join(directory, "config.json")
+    floats = {t.dtype for t in tensors if t.dtype in _CONFIG_DTYPES}
+    if len(floats) != 1 or not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    try:
+        import transformers
+
+        key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    except ImportError:
+        key = "torch_dtype"
+    key = next((k for k in ("dtype", "torch_dtype") if k in cfg), key)
+    value = _CONFIG_DTYPES[floats.pop()]
+    if cfg.get(key) == value:
+        return
+    cfg[key] = value
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(cfg, fh, indent=2, sort_keys=True)
+        fh.write("\n")
 
 
 def fsync_dir(path) -> None:
@@ -508,7 +541,7 @@ def write_plan(plan: ExportPlan, dst, *, dtype: Optional[str] = None, max_shard_
                     write_shard(path, ts, bar)
             if split.is_sharded:
                 write_index(tmp, split, tensors)
-            copied = copy_config_files(plan.config_dir, tmp, skipped)
+            copied = copy_config_files(plan.config_dir, tmp, skipped, tensors=tensors)
     dst = staging.dst
     names = sorted(os.listdir(dst))
     return {"destination": dst, "files": names, "shards": len(split.filename_to_tensors), "tensor_bytes": total,

@@ -77,6 +77,12 @@ CASES = {
     "uc-tp-naive": ("ds_universal.py", 2, ["train", "--layout", "tp", "--info", "naive"]),
     "uc-dp-helper": ("ds_universal.py", 2, ["train", "--layout", "dp", "--info", "helper"]),
     "uc-dp-helper-resume": ("ds_universal.py", 1, ["resume", "--from", "uc-dp-helper"]),
+    # The Hub-layout family matrix (tests/test_families.py): ZeRO-3 for every family, ZeRO-2 for an
+    # MoE one, the Trainer callback and the live (Accelerate hook) save on an MoE one.
+    **{f"fam-{f}-z3": ("family_train.py", 2, ["--family", f, "--stage", "3"])
+       for f in ("llama", "gpt2", "t5", "bert", "mixtral", "qwen2_moe", "llava")},
+    "fam-mixtral-z2": ("family_train.py", 2, ["--family", "mixtral", "--stage", "2"]),
+    "fam-cb-qwen2_moe-z3": ("family_trainer_cb.py", 2, ["--family", "qwen2_moe", "--stage", "3"]),
 }
 
 
@@ -90,6 +96,8 @@ def _cache_key(script: str) -> str:
         except md.PackageNotFoundError:
             h.update(f"{pkg}=none;".encode())
     paths = [ENGINES / script, ENGINES / "common.py"]
+    if "import families" in (ENGINES / script).read_text():
+        paths.append(ENGINES / "families.py")
     if any(CASES[name][0] == script for name in ACCELERATE):
         paths += sorted(ACCELERATE_CONFIGS.iterdir())
     if "hf_ckpt_integrations" in (ENGINES / script).read_text():

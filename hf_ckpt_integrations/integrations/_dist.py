@@ -272,7 +272,7 @@ def _commit(staging, dst, split, tensors, config_dir, replace_existing, fmt="saf
     if split.is_sharded:
         os.replace(os.path.join(staging, index_name), os.path.join(dst, index_name))
     if config_dir:
-        copy_config_files(config_dir, dst)
+        copy_config_files(config_dir, dst, tensors=tensors)
     shutil.rmtree(staging, ignore_errors=True)
     fsync_dir(dst)
 

@@ -31,7 +31,7 @@ import logging
 import os
 from typing import Optional
 
-from ..writer import MAX_SHARD_SIZE
+from ..writer import MAX_SHARD_SIZE, set_config_dtype
 from ._dist import SaveError, all_ranks_ok, consolidate_checkpoint, rank_world, write_distributed
 
 __all__ = ["install_accelerate_hooks", "save_model"]
@@ -52,18 +52,28 @@ def _supported(accelerator) -> bool:
 def _write_config(model, directory) -> None:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
+        import copy
+
+        from transformers import PreTrainedModel
+
+        config = copy.deepcopy(config)
+        if isinstance(model, PreTrainedModel):
+            config.architectures = [type(model).__name__]  # as save_pretrained records it
         config.save_pretrained(directory)
         gen = getattr(model, "generation_config", None)
         if gen is not None and hasattr(gen, "save_pretrained") and getattr(model, "can_generate", lambda: False)():
             gen.save_pretrained(directory)
 
 
-def _write_config_on_rank0(module, directory) -> None:
-    """Rank 0 writes config.json; a failure there raises on every rank. Collective."""
+def _write_config_on_rank0(module, directory, tensors=None) -> None:
+    """Rank 0 writes config.json (with the dtype of ``tensors``, as save_pretrained records it); a
+    failure there raises on every rank. Collective."""
     error = None
     if rank_world()[0] == 0:
         try:
             _write_config(module, directory)
+            if tensors is not None:
+                set_config_dtype(directory, tensors)
         except Exception as e:
             error = e
     all_ranks_ok(error, f"writing config.json into {directory}")
@@ -86,7 +96,7 @@ def save_model(accelerator, model, save_directory, max_shard_size=_ACCELERATE_DE
                                collective=reads_are_collective(module), replace_existing=True,
                                fmt="safetensors" if safe_serialization else "bin",
                                what=f"accelerator.save_model into {save_directory}")
-    _write_config_on_rank0(module, save_directory)
+    _write_config_on_rank0(module, save_directory, tensors)
     return report
 
 

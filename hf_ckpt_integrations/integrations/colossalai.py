@@ -53,6 +53,7 @@ def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, d
     infos, error = None, None
     try:
         infos = describe_model(module)
+        _check_hub_layout(module, infos)
     except Exception as e:
         error = e
     all_ranks_ok(error, f"booster.save_model into {checkpoint}: reading the layout")
@@ -74,6 +75,20 @@ def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, d
             error = e
     all_ranks_ok(error, f"writing config.json into {checkpoint}")
     return report
+
+
+def _check_hub_layout(module, infos) -> None:
+    """ColossalAI runs on transformers 4.x, where the names in memory are the Hub names; should a
+    transformers that fuses weights in memory (5.x MoE experts) ever run here, refuse rather than
+    write names only that version loads (this path gathers whole tensors; it does not split them)."""
+    from ..errors import LayoutError
+    from ..sources.hub_layout import live_layout
+
+    for name, source, _, offset in live_layout(module, {i.name: tuple(i.shape) for i in infos}):
+        if name != source or offset:
+            raise LayoutError(f"{source}: save_pretrained writes it as {name} (a Hub-layout conversion) and the "
+                              "ColossalAI hook does not convert; save with the booster's own save_model, or "
+                              "use transformers 4.x")
 
 
 def _write_config(module, directory, dtype: Optional[str] = None) -> None:

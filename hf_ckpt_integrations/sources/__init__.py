@@ -53,7 +53,7 @@ def _check_types(plan):
 
 
 def _build_plan(src, tag, dtype, config, tp_rules):
-    from . import deepspeed, hf_dir, universal
+    from . import deepspeed, hf_dir, hub_layout, universal
 
     # A universal checkpoint (ds_to_universal output): the directory itself, or a tag naming one.
     for cand in ([os.path.join(src, tag)] if tag else []) + [src]:
@@ -63,6 +63,7 @@ def _build_plan(src, tag, dtype, config, tp_rules):
             plan = universal.build_plan(cand, config_dir=config_dir)
             if config_dir is not None:
                 deepspeed.drop_tied_aliases(plan)
+                hub_layout.convert_plan(plan)
             return plan
     # An HF-format directory (ColossalAI's own save, save_pretrained, an earlier export) — unless it
     # also holds a DeepSpeed checkpoint (a Trainer checkpoint-N), whose fp32 masters come first.

@@ -17,6 +17,7 @@ from .. import guards, safe_load
 from ..errors import CheckpointError, LayoutError
 from ..plan import ExportPlan, Piece, TensorPlan, dtype_from_name
 from . import layout
+from .hub_layout import convert_plan
 from .tp_rules import Rule, concat_shape, hf_plans_for, parse_user_rule, rule_from_hf_plan, rule_from_universal_info, rule_from_user
 
 __all__ = ["build_plan", "resolve_tag_dir", "find_config_dir", "drop_tied_aliases"]
@@ -168,6 +169,7 @@ def build_plan(src: str, *, tag: Optional[str] = None, dtype: Optional[str] = No
                           "exported directory will not load with from_pretrained")
     else:
         drop_tied_aliases(plan)
+        convert_plan(plan)
     return plan
 
 

@@ -22,12 +22,15 @@ Nothing is copied up front. Each tensor's ``chunks()`` yields its own bytes when
   not DeepSpeed's re-split copy, which under ZeRO-1/2 would no longer be a view of the flat
   buffer the optimizer updates.
 
-Names and order are the module's ``state_dict()`` (persistent buffers included); a tensor
-reached under two names (tied weights) is written once, under its first name, as
-``save_pretrained`` does.
+Names and order are the module's ``state_dict()`` (persistent buffers included), then converted
+to what ``save_pretrained`` writes (:mod:`.hub_layout`): a tensor reached under two names (tied
+weights) is written once, under the name ``save_pretrained`` keeps; a tensor transformers 5 fuses
+in memory (MoE experts) is written as its Hub slices, each read as an element range of the
+parameter (under ZeRO-3 only the partitions overlapping the range are broadcast).
 """
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -77,10 +80,14 @@ def reads_are_collective(module) -> bool:
 
 
 def live_tensors(module, *, dtype: Optional[str] = None) -> List[LiveTensor]:
-    """The tensors of ``module`` (unwrapped: the ``nn.Module``, not the DeepSpeed engine) to write.
+    """The tensors of ``module`` (unwrapped: the ``nn.Module``, not the DeepSpeed engine) to write,
+    under the names and splits ``save_pretrained`` writes (:mod:`.hub_layout`: transformers 5's
+    fused MoE experts become one tensor per expert, each a slice of the fused parameter).
 
     ``dtype``: ``None`` keeps each tensor's training dtype; ``"fp32"``/``"bf16"``/``"fp16"`` casts
     floating tensors (one tensor at a time). Every rank must call it and get the same list.
+    Raises :class:`~..errors.LayoutError` where transformers' save-time conversion is not a split
+    along the leading dims.
     """
     import torch
 
@@ -88,50 +95,69 @@ def live_tensors(module, *, dtype: Optional[str] = None) -> List[LiveTensor]:
     cast = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(st_target)
     state = module.state_dict(keep_vars=True)
     owners = dict(module.named_modules())
-    seen = set()
-    out: List[LiveTensor] = []
+    seen = {}
+    aliases = {}  # tied name -> the name written
+    sources = {}  # name -> (shape, out_dtype, read(lo, hi) -> chunks)
     for name, t in state.items():
         if t is None:
             continue
         # Tied weights are one Parameter object under two names (ZeRO-3: one ds_id).
         key = ("ds", t.ds_id) if hasattr(t, "ds_id") else ("id", id(t))
         if key in seen:
-            continue  # tied: written once, under the first name
-        seen.add(key)
+            aliases[name] = seen[key]
+            continue  # tied: written once, under the first name (or the one save_pretrained keeps)
+        seen[key] = name
         floating = t.is_floating_point()
         out_dtype = st_target if (st_target and floating) else _st_dtype(t.dtype)
         owner = owners.get(name.rpartition(".")[0])
         if getattr(t, "ds_is_replaced_module", False):
-            out.append(_autotp_tensor(name, t, owner, out_dtype, cast))
+            shape, read = _autotp_reader(name, t, owner, cast)
         elif hasattr(t, "ds_id") and hasattr(t, "ds_shape"):
-            out.append(_zero3_tensor(name, t, out_dtype, cast))
+            shape, read = tuple(t.ds_shape), _zero3_reader(t, cast)
         else:
-            out.append(LiveTensor(name, out_dtype, tuple(t.shape), lambda t=t: iter((_own_bytes(t, cast),))))
+            shape, read = tuple(t.shape), (lambda lo, hi, t=t: iter((_own_bytes(_flat(t)[lo:hi], cast),)))
+        sources[name] = (shape, out_dtype, read)
+
+    from .hub_layout import live_layout
+
+    out: List[LiveTensor] = []
+    for name, src, shape, offset in live_layout(module, {n: s[0] for n, s in sources.items()}, aliases):
+        _, out_dtype, read = sources[src]
+        lo, hi = offset, offset + math.prod(shape)
+
+        def chunks(read=read, lo=lo, hi=hi):
+            return read(lo, hi)
+
+        def drain(read=read, lo=lo, hi=hi):
+            for _ in read(lo, hi):
+                pass
+
+        out.append(LiveTensor(name, out_dtype, shape, chunks, drain))
     return out
 
 
-def _zero3_tensor(name, param, out_dtype, cast) -> LiveTensor:
-    def chunks():
+def _flat(t):
+    return t.detach().reshape(-1)
+
+
+def _zero3_reader(param, cast):
+    def read(lo, hi):
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         if param.ds_status == ZeroParamStatus.AVAILABLE:
             # Persistent (or already gathered): whole on every rank; no rank exchanges anything.
-            yield _own_bytes(param.data, cast)
+            yield _own_bytes(_flat(param.data)[lo:hi], cast)
             return
         if _streamable(param):
-            yield from _partitions(param, cast)
+            yield from _partitions(param, cast, lo, hi)
             return
         import deepspeed
 
         # modifier_rank=None: read-only gather; re-partitioned (memory freed) on exit.
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-            yield _own_bytes(param.data, cast)
+            yield _own_bytes(_flat(param.data)[lo:hi], cast)
 
-    def drain():
-        for _ in chunks():
-            pass
-
-    return LiveTensor(name, out_dtype, tuple(param.ds_shape), chunks, drain)
+    return read
 
 
 def _streamable(param) -> bool:
@@ -145,41 +171,47 @@ def _streamable(param) -> bool:
             and part.numel() * torch.distributed.get_world_size(group=param.ds_process_group) >= param.ds_numel)
 
 
-def _partitions(param, cast):
-    """``param``'s bytes, one ZeRO-3 partition at a time, each broadcast from the rank that owns it.
+def _partitions(param, cast, lo, hi):
+    """Elements ``[lo, hi)`` of ``param``'s flat bytes, one ZeRO-3 partition at a time, each
+    broadcast from the rank that owns it.
 
     Rank ``r`` of ``param.ds_process_group`` holds flat elements ``[r*n, (r+1)*n)`` of the
-    parameter (``n = ds_tensor.numel()``; the tail of the last partition is padding). Collective.
+    parameter (``n = ds_tensor.numel()``; the tail of the last partition is padding); only the
+    partitions that overlap ``[lo, hi)`` travel (one expert of a fused MoE tensor: its own ranks).
+    Collective.
     """
     import torch
     import torch.distributed as dist
 
     group = param.ds_process_group
-    me, world = dist.get_rank(group=group), dist.get_world_size(group=group)
+    me = dist.get_rank(group=group)
     part = param.ds_tensor.detach()
-    n, numel = part.numel(), param.ds_numel
+    n = part.numel()
+    hi = min(hi, param.ds_numel)
+    owners = [r for r in range(dist.get_world_size(group=group)) if r * n < hi and (r + 1) * n > lo]
     buffers = [None, None]
 
-    def start(r):
-        # Partition r arrives while partition r - 1 is written (two buffers at most). As bytes:
-        # any dtype travels (gloo has no bf16 broadcast on every build).
+    def start(i):
+        # Partition owners[i] arrives while the one before is written (two buffers at most). As
+        # bytes: any dtype travels (gloo has no bf16 broadcast on every build).
+        r = owners[i]
         if r == me:
             t = part
         else:
-            if buffers[r % 2] is None:
-                buffers[r % 2] = torch.empty_like(part)
-            t = buffers[r % 2]
+            if buffers[i % 2] is None:
+                buffers[i % 2] = torch.empty_like(part)
+            t = buffers[i % 2]
         work = dist.broadcast(t.view(torch.uint8), src=dist.get_global_rank(group, r), group=group, async_op=True)
         return t, work
 
-    nxt = start(0)
-    for r in range(world):
+    nxt = start(0) if owners else None
+    for i, r in enumerate(owners):
         t, work = nxt
-        nxt = start(r + 1) if r + 1 < world else None
+        nxt = start(i + 1) if i + 1 < len(owners) else None
         work.wait()
-        valid = max(0, min(n, numel - r * n))
-        if valid:
-            yield _own_bytes(t[:valid], cast)
+        a, b = max(lo, r * n) - r * n, min(hi, (r + 1) * n) - r * n
+        if b > a:
+            yield _own_bytes(t[a:b], cast)
 
 
 def _autotp_full_shape(name, param, owner):
@@ -191,7 +223,7 @@ def _autotp_full_shape(name, param, owner):
                      "parameter; save it with engine.save_checkpoint and export offline (hf-ckpt export)")
 
 
-def _autotp_tensor(name, param, owner, out_dtype, cast) -> LiveTensor:
+def _autotp_reader(name, param, owner, cast):
     full_shape = _autotp_full_shape(name, param, owner)
     zero3 = hasattr(param, "ds_id")
 
@@ -211,12 +243,8 @@ def _autotp_tensor(name, param, owner, out_dtype, cast) -> LiveTensor:
                 for p, data in zip(own, saved):
                     p.data = data
 
-    def chunks():
+    def read(lo, hi):
         with gathered() as full:
-            yield _own_bytes(full, cast)
+            yield _own_bytes(_flat(full)[lo:hi], cast)
 
-    def drain():
-        with gathered():
-            pass
-
-    return LiveTensor(name, out_dtype, full_shape, chunks, drain)
+    return full_shape, read

@@ -14,7 +14,6 @@ these that speaks decides (the ``source`` is reported by ``inspect``):
    to pass — a dimension is never guessed.
 """
 
-import contextlib
 import fnmatch
 import re
 from dataclasses import dataclass
@@ -102,40 +101,14 @@ def hf_plans_for(config_dir: str):
     or for a ``model_type`` transformers does not know: code named by ``auto_map`` is never imported
     (the other rules, or ``--tp-rule``, decide then). CheckpointError for a config.json that is not
     a JSON object or that transformers cannot build a model from."""
-    try:
-        import torch
-        from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
-    except ImportError:
+    from .hub_layout import meta_model
+
+    model = meta_model(config_dir)
+    if model is None:
         return None
-    from ..errors import CheckpointError
-    from ..guards import read_config
+    import torch
 
-    model_type = read_config(config_dir).get("model_type")
-    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
-        return None
-    try:
-        return _hf_plans(config_dir, torch, AutoConfig, AutoModelForCausalLM)
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError, OSError) as e:
-        raise CheckpointError(f"{config_dir}/config.json: transformers cannot build the {model_type!r} model it "
-                              f"describes ({type(e).__name__}: {str(e)[:200]}); fix it, pass --config a directory "
-                              "holding the model's config.json, or describe the merge with --tp-rule") from e
-
-
-def _hf_plans(config_dir, torch, AutoConfig, AutoModelForCausalLM):
-    cfg = AutoConfig.from_pretrained(config_dir, trust_remote_code=False)
-    # Inside a live ZeRO-3 run (a save-time hook) from_config would build the model under
-    # deepspeed.zero.Init and initialise it there, which fails on the meta device; transformers'
-    # own "zero.Init already entered" flag makes it build a plain (meta) model.
-    import transformers.modeling_utils as modeling_utils
-
-    not_zero3 = getattr(modeling_utils, "set_zero3_state", contextlib.nullcontext)
-    with torch.device("meta"), not_zero3():
-        try:
-            model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
-        except ValueError:
-            from transformers import AutoModel
-
-            model = AutoModel.from_config(cfg, trust_remote_code=False)
+    cfg = model.config
     plans: Dict[str, str] = {}
     base = getattr(model, "base_model_prefix", "")
     for key, style in (getattr(cfg, "base_model_tp_plan", None) or {}).items():
