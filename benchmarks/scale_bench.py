@@ -43,7 +43,8 @@ PLAN_CHILD = ("import json, resource, sys, time\n"
               "plan = build_plan(sys.argv[1])\n"
               "dt = time.perf_counter() - t\n"
               "print(json.dumps({'plan_s': dt, 'rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,\n"
-              "                  'tensors': len(plan.tensors), 'pieces': sum(len(p) for t in plan.tensors for p in t.parts),\n"
+              "                  'tensors': len(plan.tensors),\n"
+              "                  'pieces': sum(len(p) for t in plan.tensors for p in t.parts),\n"
               "                  'torch': 'torch' in sys.modules}))\n")
 
 
@@ -130,15 +131,16 @@ def render(results: dict, meta: dict) -> str:
              "untied 32,000-row embeddings: 723 tensors) but hidden size 64 (8.3M parameters). A true 70B "
              "cannot have tiny partitions: ZeRO-1/2 partitions add up to the whole model. What grows with the "
              "rank count is real: files, per-rank metadata, and (ZeRO-3) one piece per rank per tensor.", "",
-             "- **plan**: importing the package and `build_plan`, timed inside a fresh process (reading every rank's metadata, placing every "
-             "fragment, checking ZeRO-1/2's recorded offsets); **plan RSS** that process's peak.",
+             "- **plan**: importing the package and `build_plan`, timed inside a fresh process (reading every "
+             "rank's metadata, placing every fragment, checking ZeRO-1/2's recorded offsets); **plan RSS** that process's peak.",
              "- **inspect** / **export**: the CLI end to end (`hf-ckpt inspect SRC --json`, "
              "`hf-ckpt export SRC OUT` in fp32), wall time and peak RSS of the process.", "",
              "| ZeRO | ranks | files | pieces | plan | plan RSS | inspect | inspect RSS | export fp32 | export RSS |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for key, r in results.items():
         stage, dp = key.split("-")
-        lines.append(f"| {stage[1:]} | {int(dp[2:]):,} | {r['gen']['files']:,} | {r['pieces']:,} | {r['plan_s']:.2f} s | "
+        lines.append(f"| {stage[1:]} | {int(dp[2:]):,} | {r['gen']['files']:,} | {r['pieces']:,} "
+                     f"| {r['plan_s']:.2f} s | "
                      f"{r['plan_rss'] / 1e6:,.0f} MB | {r['inspect_s']:.2f} s | {r['inspect_rss'] / 1e6:,.0f} MB | "
                      f"{r['export_s']:.2f} s | {r['export_rss'] / 1e6:,.0f} MB |")
     lines += ["", "![plan time and peak RSS against the rank count](scale.png)", ""]
@@ -148,7 +150,8 @@ def render(results: dict, meta: dict) -> str:
         if len(ks) >= 2:
             a, b = results[ks[-2]], results[ks[-1]]
             ra, rb = int(ks[-2].split("dp")[1]), int(ks[-1].split("dp")[1])
-            per.append(f"ZeRO-{stage[1:]}: {ra:,} → {rb:,} ranks ({rb / ra:.0f}x) costs {b['plan_s'] / a['plan_s']:.1f}x "
+            per.append(f"ZeRO-{stage[1:]}: {ra:,} → {rb:,} ranks ({rb / ra:.0f}x) costs "
+                       f"{b['plan_s'] / a['plan_s']:.1f}x "
                        f"the plan time; 1,024 ranks plan in {results.get(stage + '-dp1024', b)['plan_s']:.2f} s at "
                        f"{results.get(stage + '-dp1024', b)['plan_rss'] / 1e6:,.0f} MB (goal ≤ 10 s, ≤ 500 MB)")
     lines += [f"- {p}." for p in per]
