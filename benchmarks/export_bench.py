@@ -374,7 +374,8 @@ def render(results, imports):
     for name, (rows, _, info) in results.items():
         o, ob, cp = rows["hf-ckpt fp32"], rows["hf-ckpt bf16"], rows["cp -r output fp32"]
         a, b = median(ob["wall"]) / median(o["wall"]), median(ob["wall"]) / median(cp["wall"])
-        L.append(f"- {name}: bf16 export {a:.2f}x our fp32 export (goal ≤ 1.3: {'met' if a <= 1.3 else '**not met**'}), "
+        L.append(f"- {name}: bf16 export {a:.2f}x our fp32 export "
+                 f"(goal ≤ 1.3: {'met' if a <= 1.3 else '**not met**'}), "
                  f"{b:.2f}x `cp -r` + sync of the fp32 output (goal ≤ 2.5: {'met' if b <= 2.5 else '**not met**'}), "
                  f"peak RSS {mb(ob['rss'])} (goal ≤ 100 MB: {'met' if ob['rss'] <= 100e6 else '**not met**'})")
         par = rows.get(f"hf-ckpt torchrun x2 fp32, {PAR_SHARD} shards")
@@ -453,7 +454,8 @@ def main(argv=None):
         kept = save_block(old)  # save_bench.py's section, as is
         i, j = old.find("<!-- scale-bench:start -->"), old.find("<!-- scale-bench:end -->")
         scale = old[i:j + len("<!-- scale-bench:end -->")] if 0 <= i < j else ""  # scale_bench.py's, as is
-        DOC.write_text(render_doc(table=table, save_bench=kept, **meta).rstrip("\n") + ("\n\n" + scale + "\n" if scale else "\n"))
+        doc = render_doc(table=table, save_bench=kept, **meta).rstrip("\n")
+        DOC.write_text(doc + ("\n\n" + scale + "\n" if scale else "\n"))
         print(f"\nwrote {DOC.relative_to(REPO)}", file=sys.stderr)
     return 0
 
