@@ -112,8 +112,10 @@ def test_iter_cast_reads_pieces_across_files_and_chunks(tmp_path):
 
 
 def test_bf16_export_of_fp32_masters_never_imports_torch(tmp_path):
-    """The CLI's bf16 export of a byte-copyable fp32 checkpoint runs without torch in the process,
-    and its bytes are torch's cast of the masters."""
+    """The data path: the CLI's bf16 export of a byte-copyable fp32 checkpoint runs without torch in
+    the process, and its bytes are torch's cast of the masters. (Without a config.json: with one, on
+    transformers 5 the *planning* imports transformers to derive the Hub layout — see
+    test_bf16_export_with_a_config_plans_with_transformers below and docs/performance.md.)"""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         from synth_ckpt import make_checkpoint
@@ -121,6 +123,8 @@ def test_bf16_export_of_fp32_masters_never_imports_torch(tmp_path):
         sys.path.pop(0)
     src = tmp_path / "ckpt"
     make_checkpoint(src, stage=3, dp=3, layers=2, hidden=16, vocab=50, reference=True)
+    (tmp_path / "away").mkdir()  # not beside the checkpoint nor in its parent, where export looks
+    os.rename(src / "config.json", tmp_path / "away" / "config.json")
     out = tmp_path / "hf"
     code = ("import sys; from hf_ckpt_integrations.cli import main; rc = main(sys.argv[1:]); "
             "print('TORCH', 'torch' in sys.modules, 'numpy' in sys.modules); sys.exit(rc)")
@@ -142,3 +146,26 @@ def test_bf16_export_of_fp32_masters_never_imports_torch(tmp_path):
     for name, t in masters.items():
         assert got[name].dtype == torch.bfloat16
         assert torch.equal(got[name].view(torch.int16), t.to(torch.bfloat16).view(torch.int16)), name
+
+
+def test_bf16_export_with_a_config_plans_with_transformers(tmp_path):
+    """With a config.json the plan asks transformers for the Hub layout (identity for Llama); the
+    bytes are the same as the torch-free data path's."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from synth_ckpt import make_checkpoint
+    finally:
+        sys.path.pop(0)
+    src = tmp_path / "ckpt"
+    make_checkpoint(src, stage=3, dp=3, layers=2, hidden=16, vocab=50, reference=True)
+    outs = []
+    for i, config in enumerate((True, False)):
+        if not config:
+            (tmp_path / "away").mkdir()
+            os.rename(src / "config.json", tmp_path / "away" / "config.json")
+        outs.append(tmp_path / f"hf{i}")
+        run = subprocess.run([sys.executable, "-m", "hf_ckpt_integrations", "export", str(src), str(outs[-1]),
+                              "--dtype", "bf16", "--quiet"], capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert run.returncode == 0, run.stderr
+    assert (outs[0] / "model.safetensors").read_bytes() == (outs[1] / "model.safetensors").read_bytes()
+    assert (outs[0] / "config.json").exists() and not (outs[1] / "config.json").exists()
