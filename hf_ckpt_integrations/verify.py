@@ -10,7 +10,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
-from .assemble import iter_bytes
+from .assemble import check_module_copy, iter_bytes
 from .errors import CheckpointError
 from .safe_load import DTYPE_SIZES, MappedFiles
 
@@ -100,6 +100,10 @@ def verify_plan(plan, dst) -> VerifyReport:
             if tuple(shape) != tuple(t.shape):
                 report.differences.append(f"{name}: shape {list(shape)} != source {list(t.shape)}")
                 continue
+            if not check_module_copy(t, files):
+                report.differences.append(f"{name}: the source's fp32 masters, cast to the module weights' "
+                                          "dtype, differ from the module weights it also holds (a rank file "
+                                          "out of place, or damaged)")
             if dtype not in DTYPE_SIZES:
                 report.differences.append(f"{name}: unknown dtype {dtype}")
                 continue

@@ -8,7 +8,16 @@ __all__ = ["build_plan"]
 
 
 def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
-    """Build the export plan for any supported checkpoint directory ``src``."""
+    """Build the export plan for any supported checkpoint directory ``src``, checked with
+    :func:`~..plan.check_plan` (the writer never starts on a plan safetensors could not load)."""
+    from ..plan import check_plan
+
+    plan = _build_plan(src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules)
+    check_plan(plan)
+    return plan
+
+
+def _build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
     src = os.fspath(src)
     if not os.path.exists(src):
         raise CheckpointError(f"{src}: does not exist; pass a DeepSpeed save dir, a tag dir or a "
