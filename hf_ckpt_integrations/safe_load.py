@@ -22,7 +22,6 @@ the loaded tree is walked once, iteratively, within :data:`MAX_DEPTH` and :data:
 
 import collections
 import io
-import itertools
 import math
 import mmap
 import os
@@ -44,7 +43,7 @@ __all__ = ["TensorRef", "StorageRef", "FragmentAddress", "Opaque", "load", "chec
 # ~10^5 nodes, 8 levels deep): far above any real checkpoint, far below what hurts a machine.
 MAX_PICKLE_BYTES = 512 * 2**20
 MAX_OPS = 20_000_000  # opcodes executed (each makes at most one object)
-MAX_NODES = 5_000_000  # tree nodes, a shared node counted each time it is reached
+MAX_NODES = 2_000_000  # tree nodes, a shared node counted each time it is reached
 MAX_DEPTH = 100
 MAX_NDIM = 64
 _MAX_KEY_LEN = 16  # a tuple used as a dict key or set element: this many atoms at most
@@ -577,33 +576,34 @@ _ERR_REPR.maxlevel, _ERR_REPR.maxstring, _ERR_REPR.maxother = 2, 200, 60
 
 
 def _check_tree(obj, path) -> None:
-    """Walk the loaded tree once, iteratively, within the budgets (a shared node is counted each time
-    it is reached, so a DAG or a cycle that a later walk would expand runs out of budget here)."""
-    stack = [(obj, 0)]
-    for _ in range(MAX_NODES):
-        if not stack:
-            return
-        node, depth = stack.pop()
+    """Walk the loaded tree once, level by level, within the budgets (a shared node is counted each
+    time it is reached, so a DAG or a cycle that a later walk would expand runs out of budget here)."""
+    level, depth, count = [obj], 0, 0
+    while level:
         if depth > MAX_DEPTH:
             raise CheckpointError(f"{path}: its pickle nests deeper than {MAX_DEPTH} levels; no checkpoint "
                                   "does that: the file is corrupt or crafted")
-        t = type(node)
-        if t in _ATOMS or t is TensorRef:
-            continue
-        if t in (dict, collections.OrderedDict):
-            children = itertools.chain(node.keys(), node.values())
-        elif t in (list, tuple, set, frozenset):
-            children = node
-        elif t in (Opaque, FragmentAddress):
-            children = vars(node).values()
-        elif t is slice:
-            children = (node.start, node.stop, node.step)
-        else:
-            continue  # stand-ins (str subclasses, StorageRef) hold nothing from the file
-        stack.extend((c, depth + 1) for c in children)
-    raise CheckpointError(f"{path}: its pickle describes over {MAX_NODES} objects (counting shared ones each "
-                          "time they are used); no checkpoint's metadata is that large: the file is corrupt "
-                          "or crafted")
+        count += len(level)
+        below = []
+        for node in level:
+            t = type(node)
+            if t in _ATOMS or t is TensorRef:
+                continue
+            if t in (dict, collections.OrderedDict):
+                below.extend(node.keys())
+                below.extend(node.values())
+            elif t in (list, tuple, set, frozenset):
+                below.extend(node)
+            elif t in (Opaque, FragmentAddress):
+                below.extend(vars(node).values())
+            elif t is slice:
+                below.extend((node.start, node.stop, node.step))
+            # (other stand-ins, str subclasses and StorageRef, hold nothing from the file)
+            if count + len(below) > MAX_NODES:
+                raise CheckpointError(f"{path}: its pickle describes over {MAX_NODES} objects (counting shared "
+                                      "ones each time they are used); no checkpoint's metadata is that large: "
+                                      "the file is corrupt or crafted")
+        level, depth = below, depth + 1
 
 
 class MappedFiles:

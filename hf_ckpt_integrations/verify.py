@@ -54,8 +54,6 @@ def _read_header(path) -> Dict[str, Tuple[str, Tuple[int, ...], int, int]]:
             if n > min(size - 8, _MAX_HEADER):
                 raise bad(f"header length {n} exceeds the file or {_MAX_HEADER} bytes")
             text = fh.read(n).decode("utf-8")
-        if not text.startswith("{"):
-            raise bad("header does not start with '{'")
 
         def no_duplicates(pairs):
             keys = [k for k, _ in pairs]
