@@ -113,6 +113,7 @@ class _Rank:
             if not isinstance(self._osd, dict) or "zero_stage" not in self._osd:
                 raise CheckpointError(f"{self.path}: optimizer state has no 'zero_stage'; not a ZeRO "
                                       "checkpoint (ZeRO stage 0 / plain optimizers are not supported)")
+            _check_optim_types(self._osd, self.path)
         return self._osd
 
 
@@ -289,6 +290,41 @@ def _resolve_rule(name, ss, info, hf_plans, embeddings, user_rules, full) -> Rul
     return rule
 
 
+def _typed(value, ok, path, key):
+    if not ok(value):
+        raise LayoutError(f"{path}: recorded {key} has an unexpected type ({type(value).__name__}: "
+                          f"{safe_load.short_repr(value)}); the file is corrupt or not written by DeepSpeed: "
+                          "copy it again from the training run")
+
+
+def _str_dict(v):
+    return isinstance(v, dict) and all(type(k) is str for k in v)
+
+
+def _check_model_types(model, path):
+    """The model-states fields this source reads have the types DeepSpeed writes (a file from
+    elsewhere, or a corrupt one, is refused by name rather than failing deep inside)."""
+    _typed(model.get("param_shapes"), lambda v: isinstance(v, list) and all(_str_dict(g) for g in v), path,
+           "param_shapes")
+    for key in ("module", "frozen_param_shapes", "frozen_param_fragments"):
+        _typed(model.get(key) or {}, _str_dict, path, key)
+    _typed(model.get("shared_params") or {}, lambda v: _str_dict(v) and all(type(x) is str for x in v.values()),
+           path, "shared_params")
+    _typed(model.get("buffer_names") or [], lambda v: isinstance(v, (list, tuple)) and
+           all(type(x) is str for x in v), path, "buffer_names")
+
+
+def _check_optim_types(osd, path):
+    """The same for the optimizer-state fields this source reads."""
+    for key in ("single_partition_of_fp32_groups", "fp32_flat_groups", "group_paddings", "param_slice_mappings"):
+        if key in osd:
+            _typed(osd[key], lambda v: isinstance(v, list), path, key)
+    if "group_paddings" in osd:
+        _typed(osd["group_paddings"], lambda v: all(type(x) is int for x in v), path, "group_paddings")
+    if isinstance(osd.get("param_slice_mappings"), list):
+        _typed(osd["param_slice_mappings"], lambda v: all(_str_dict(m) for m in v), path, "param_slice_mappings")
+
+
 def _meta_int(value, path, key):
     """A recorded integer (``zero_stage``, ``partition_count``...), or LayoutError naming the file."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -350,9 +386,8 @@ def _plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, _Rank], model_files, out_dt
                               "tag directory again")
     model = safe_load.load(model_path)
     param_groups = _require(model, "param_shapes", model_path, "model-states")
+    _check_model_types(model, model_path)
     module = model.get("module") or {}
-    if not isinstance(param_groups, list) or not isinstance(module, dict):
-        raise LayoutError(f"{model_path}: 'param_shapes' or 'module' has an unexpected type; the file is corrupt")
     shared = model.get("shared_params") or {}
     buffer_names = list(model.get("buffer_names") or [])
 
