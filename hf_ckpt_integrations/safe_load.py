@@ -289,8 +289,9 @@ _ALLOWED = {
 
 class _Unpickler(pickle._Unpickler):
     """The pure-Python unpickler (the C one cannot be instrumented) with budgets at the opcodes
-    that can blow up: see the module docstring. About 5x slower than C on a DeepSpeed pickle,
-    which is metadata only (milliseconds; tensors are persistent ids)."""
+    that can blow up: see the module docstring. About 2x slower than the C one here (most of the
+    time is in our own rebuild functions either way): 2.2 s instead of 1.1 s for a 3.8 MB pickle
+    of 20,000 tensors, milliseconds for the engine files of the tests."""
 
     def __init__(self, data: bytes, path: str, storages: dict):
         super().__init__(io.BytesIO(data))
