@@ -321,6 +321,10 @@ _FILES = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.
           "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
 
 
+_SOURCE_DAMAGE = "fails its CRC-32 check"
+_MODULE_MISMATCH = "differ from the module weights it also holds"
+
+
 class _Hang(Exception):
     pass
 
@@ -430,7 +434,14 @@ class _Fuzz:
                 self.outcomes["refused"] += 1
                 return "refused"
             assert rc == 0, err
-            assert cli_main(["verify", str(dst), "--against", str(self.src)]) == 0, capsys.readouterr()
+            vrc = cli_main(["verify", str(dst), "--against", str(self.src)])
+            out = capsys.readouterr().out
+            flagged = vrc == 1 and all(_SOURCE_DAMAGE in line or _MODULE_MISMATCH in line
+                                       for line in out.splitlines() if line.startswith("differs:"))
+            # (verify also proves the source itself: a damaged or shifted byte the export's sampled
+            # checks did not read is reported as such, while the export must still be right)
+            assert vrc == 0 or flagged, out
+            self.outcomes["verify flagged the source"] += flagged
         got = _tensors(dst)
         assert set(got) == set(self.reference), "exported other tensors than the original"
         for name, value in got.items():
