@@ -329,8 +329,8 @@ def _meta_int(value, path, key):
     """A recorded integer (``zero_stage``, ``partition_count``...), or LayoutError naming the file."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    raise LayoutError(f"{path}: recorded {key} is {safe_load.short_repr(value)}, not an integer; the file is corrupt or not "
-                      "written by DeepSpeed: copy it again from the training run")
+    raise LayoutError(f"{path}: recorded {key} is {safe_load.short_repr(value)}, not an integer; the file is "
+                      "corrupt or not written by DeepSpeed: copy it again from the training run")
 
 
 def _shape(value, path, name):
