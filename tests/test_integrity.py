@@ -432,3 +432,18 @@ def test_verify_checks_the_source_crc(exported):
     r = cli("verify", dst, "--against", src)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "fails its CRC-32 check" in r.stdout and Path(piece.path).name in r.stdout
+
+
+def test_pure_python_cast_matches_torch():
+    """The export-time sample casts without torch: bit for bit what torch (and so DeepSpeed) does,
+    including ties, subnormals, overflow to inf and the fp16 range edge."""
+    from hf_ckpt_integrations.assemble import cast_f32
+
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(20000, generator=g) * torch.exp(torch.randn(20000, generator=g) * 12)
+    edges = torch.tensor([0.0, -0.0, 65504.0, 65519.0, 65520.0, -65520.0, 1e-8, 6e-8, 3e-8, 3.3e38, float("inf"),
+                          float("-inf"), 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-11, 1.0 + 3 * 2**-11])
+    raw = torch.cat([values, edges]).numpy().tobytes()
+    for name, dtype in (("BF16", torch.bfloat16), ("F16", torch.float16)):
+        want = torch.cat([values, edges]).to(dtype).view(torch.int16).numpy().tobytes()
+        assert b"".join(cast_f32(raw[i:i + 4], name) for i in range(0, len(raw), 4)) == want, name
