@@ -12,7 +12,8 @@ from .errors import LayoutError
 from .plan import TensorPlan
 from .safe_load import DTYPE_SIZES, MappedFiles
 
-__all__ = ["out_dtype_for", "iter_bytes", "to_torch", "check_replicas", "FileRange", "FLOAT_DTYPES"]
+__all__ = ["out_dtype_for", "iter_bytes", "to_torch", "check_replicas", "check_module_copy", "cast_f32",
+           "FileRange", "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 _TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
@@ -94,6 +95,46 @@ def check_replicas(t: TensorPlan, files: MappedFiles) -> None:
                 f"{replica[0].path}: its copy of {t.name} differs from the copy in {t.parts[0][0].path}; "
                 "the model-parallel ranks were meant to be replicas. Export is refused: check which rank "
                 "diverged (use --tag for an earlier save), or treat the axis as tensor parallel with --tp-rule")
+
+
+def cast_f32(raw: bytes, dtype: str) -> bytes:
+    """One fp32 value (4 little-endian bytes) cast to ``dtype`` as torch casts it (round to nearest
+    even), without torch. NaN becomes some NaN: compare NaNs as NaNs."""
+    if dtype == "F32":
+        return bytes(raw)
+    bits = int.from_bytes(raw, "little")
+    if dtype == "BF16":
+        if (bits & 0x7FFFFFFF) > 0x7F800000:
+            return b"\xc0\x7f"
+        return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF).to_bytes(2, "little")
+    if dtype == "F16":
+        import struct
+
+        value = struct.unpack("<f", raw)[0]
+        try:
+            return struct.pack("<e", value)  # IEEE round-half-even from the (exact) double
+        except OverflowError:
+            return b"\x00\xfc" if bits >> 31 else b"\x00\x7c"
+    raise ValueError(dtype)
+
+
+def check_module_copy(t: TensorPlan, files: MappedFiles) -> bool:
+    """Every fp32 master of ``t`` cast to the module weights' dtype equals the module weight
+    (``t.module_check``, see :class:`~.plan.TensorPlan`); True when there is nothing to check."""
+    if t.module_check is None:
+        return True
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # frombuffer on a read-only mmap (never written)
+        for masters, module in zip(*t.module_check):
+            want = _flat(module, files)
+            got = _flat(masters, files).to(want.dtype)
+            if got.numel() != want.numel() or not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
+                return False
+    return True
 
 
 def iter_bytes(t: TensorPlan, out_dtype: str, files: MappedFiles, *, ranges: bool = False) -> Iterator:

@@ -17,7 +17,8 @@ from typing import Dict, List, Optional, Tuple
 
 from .errors import OptionError
 
-__all__ = ["Piece", "TensorPlan", "ExportPlan", "DTYPE_NAMES", "dtype_from_name", "narrow_pieces"]
+__all__ = ["Piece", "TensorPlan", "ExportPlan", "DTYPE_NAMES", "dtype_from_name", "narrow_pieces",
+           "check_plan"]
 
 # CLI/user names -> safetensors names
 DTYPE_NAMES = {"fp32": "F32", "float32": "F32", "bf16": "BF16", "bfloat16": "BF16", "fp16": "F16",
@@ -88,6 +89,10 @@ class TensorPlan:
     replicas: List[List[Piece]] = field(default_factory=list)
     elem_range: Optional[Tuple[int, int]] = None
     hub_source: Optional[str] = None
+    # (fp32 master parts, module-weight parts): the model's own copy of this tensor (ZeRO-1/2 saves
+    # the module weights whole), which the masters cast to its dtype must equal part by part;
+    # ``verify`` checks every element (the source samples a few while planning).
+    module_check: Optional[Tuple[List[List[Piece]], List[List[Piece]]]] = None
 
     @property
     def numel(self) -> int:
@@ -102,9 +107,14 @@ class TensorPlan:
         """Output ``name`` = elements ``[start, start + numel(shape))`` of this tensor, as ``shape``."""
         count = math.prod(shape)
         if self.is_byte_copy:
+            check = self.module_check
+            if check is not None and len(check[0]) == 1 and len(check[1]) == 1:  # the same range of both copies
+                check = ([narrow_pieces(check[0][0], start, count)], [narrow_pieces(check[1][0], start, count)])
+            else:
+                check = None
             return TensorPlan(name, tuple(shape), self.src_dtype, [narrow_pieces(self.parts[0], start, count)],
                               kind=self.kind, rule=self.rule, hub_source=self.name,
-                              replicas=[narrow_pieces(r, start, count) for r in self.replicas])
+                              replicas=[narrow_pieces(r, start, count) for r in self.replicas], module_check=check)
         a, b = self.elem_range or (0, self.numel)
         if start + count > b - a:
             raise ValueError(f"{name}: elements [{start}, {start + count}) past the end of {self.name}")
@@ -174,3 +184,47 @@ class ExportPlan:
                 for t in self.tensors
             ],
         }
+
+
+def check_plan(plan: ExportPlan) -> None:
+    """Refuse, before anything is written, a plan whose output safetensors could not load: names
+    that are not non-empty strings or are ``__metadata__``, a name twice, negative or non-integer
+    dimensions, unknown dtypes, or pieces that do not add up to the shape.
+
+    Raises :class:`~.errors.LayoutError` naming the tensor.
+    """
+    from .errors import LayoutError
+    from .safe_load import DTYPE_SIZES, MAX_NDIM, short_repr
+
+    seen = set()
+    for t in plan.tensors:
+        name = t.name
+        where = f"{plan.source}: tensor {short_repr(name)}"
+        if type(name) is not str or not name or name == "__metadata__" or not _utf8(name):
+            raise LayoutError(f"{where}: not a valid tensor name for safetensors; the checkpoint is corrupt or "
+                              "crafted: copy it again from the training run")
+        if name in seen:
+            raise LayoutError(f"{where}: appears twice in the output; the checkpoint is corrupt: copy it again")
+        seen.add(name)
+        shapes = [t.shape] + list(t.part_shapes or [])
+        if any(type(s) is not tuple or len(s) > MAX_NDIM or any(type(d) is not int or d < 0 for d in s)
+               for s in shapes):
+            raise LayoutError(f"{where}: shape {short_repr(t.shape)} is not a list of non-negative integers; "
+                              "the checkpoint is corrupt: copy it again")
+        pieces = [p for part in t.parts for p in part]
+        if t.src_dtype not in DTYPE_SIZES or any(p.dtype not in DTYPE_SIZES or p.numel < 0 for p in pieces):
+            raise LayoutError(f"{where}: dtype {short_repr(t.src_dtype)} is not one safetensors stores here")
+        got = [sum(p.numel for p in part) for part in t.parts]
+        want = ([math.prod(s) for s in t.part_shapes] if t.part_shapes is not None else
+                [math.prod(t.shape)] if t.keep_rows is None else got)
+        if got != want:
+            raise LayoutError(f"{where}: its pieces hold {got} elements, its shape needs {want}; please "
+                              "report this with `hf-ckpt inspect --json`")
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+        return True
+    except UnicodeEncodeError:  # a lone surrogate: JSON would carry it, safetensors refuses it
+        return False

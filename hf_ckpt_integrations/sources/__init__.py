@@ -3,13 +3,15 @@
 import os
 
 from ..errors import CheckpointError
+from ..plan import check_plan
 from ..guards import bad_metadata_as_input, check_tag_name, config_problem, refuse_unreadable_layouts
 
 __all__ = ["build_plan"]
 
 
 def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
-    """Build the export plan for any supported checkpoint directory ``src``.
+    """Build the export plan for any supported checkpoint directory ``src``, checked with
+    :func:`~..plan.check_plan` (the writer never starts on a plan safetensors could not load).
 
     Raises only :class:`~..errors.CheckpointError` for bad input: metadata of an unexpected type
     or shape (which a source's own checks did not name) is reported as a
@@ -29,27 +31,12 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
         check_tag_name(tag, "--tag")
     with bad_metadata_as_input(src):
         plan = _build_plan(src, tag, dtype, config, tp_rules)
-        _check_types(plan)
+        check_plan(plan)
     if plan.config_dir is None:  # say why a config.json beside the checkpoint was not used
         problem = config_problem(src)
         if problem and os.path.lexists(os.path.join(src, "config.json")):
             plan.notes.append(f"{problem}; pass --config DIR holding the model's config.json")
     return plan
-
-
-def _check_types(plan):
-    """Every tensor of a plan has a str name, a known dtype and a shape of non-negative ints, whatever
-    the source read (a header may say ``"shape": "x"``); the writer relies on it."""
-    from ..errors import LayoutError
-    from ..errors import one_line
-    from ..safe_load import DTYPE_SIZES
-
-    for t in plan.tensors:
-        shape_ok = isinstance(t.shape, (tuple, list)) and all(type(d) is int and d >= 0 for d in t.shape)
-        if not isinstance(t.name, str) or t.src_dtype not in DTYPE_SIZES or not shape_ok:
-            raise LayoutError(f"{plan.source}: tensor {one_line(str(t.name)[:100])} is recorded with dtype "
-                              f"{one_line(str(t.src_dtype)[:20])} and shape {one_line(str(t.shape)[:60])}, which "
-                              "is not a tensor hf-ckpt can write; the checkpoint is corrupt")
 
 
 def _build_plan(src, tag, dtype, config, tp_rules):

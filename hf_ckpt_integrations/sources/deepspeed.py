@@ -82,6 +82,14 @@ def find_config_dir(candidates) -> Optional[str]:
     return None
 
 
+def _claim(ranks: dict, rank, value, tag_dir, name, name_of):
+    """Place a rank file; two names for one rank (``mp_rank_0`` and ``mp_rank_00``) are refused."""
+    if rank in ranks:
+        raise LayoutError(f"{tag_dir}: {name_of(ranks[rank])} and {name} claim the same rank; one was copied "
+                          "in from elsewhere or renamed: keep the one this save wrote")
+    ranks[rank] = value
+
+
 def _require(obj, key, path, what):
     if not isinstance(obj, dict) or key not in obj:
         raise CheckpointError(f"{path}: not a DeepSpeed {what} file (no {key!r}); "
@@ -106,6 +114,7 @@ class _Rank:
             if not isinstance(self._osd, dict) or "zero_stage" not in self._osd:
                 raise CheckpointError(f"{self.path}: optimizer state has no 'zero_stage'; not a ZeRO "
                                       "checkpoint (ZeRO stage 0 / plain optimizers are not supported)")
+            _check_optim_types(self._osd, self.path)
         return self._osd
 
 
@@ -126,18 +135,19 @@ def build_plan(src: str, *, tag: Optional[str] = None, dtype: Optional[str] = No
     names = sorted(os.listdir(tag_dir))
     optim: Dict[int, Dict[int, _Rank]] = {}
     prefixes = set()
+    models: Dict[int, Dict[Optional[int], str]] = {}
     for n in names:
         m = _OPTIM_RE.match(n)
         if m:
             prefix, dp_rank, mp_rank = m.group(1) or "", int(m.group(2)), int(m.group(3))
             prefixes.add(prefix)
-            optim.setdefault(mp_rank, {})[dp_rank] = _Rank(os.path.join(tag_dir, n), dp_rank, prefix)
-    models: Dict[int, Dict[Optional[int], str]] = {}
-    for n in names:
+            _claim(optim.setdefault(mp_rank, {}), dp_rank, _Rank(os.path.join(tag_dir, n), dp_rank, prefix),
+                   tag_dir, n, lambda r: os.path.basename(r.path))
         m = _MODEL_RE.match(n)
         if m:
             dp_rank = int(m.group(1)) if m.group(1) is not None else None
-            models.setdefault(int(m.group(2)), {})[dp_rank] = os.path.join(tag_dir, n)
+            _claim(models.setdefault(int(m.group(2)), {}), dp_rank, os.path.join(tag_dir, n), tag_dir, n,
+                   os.path.basename)
     if not optim:
         raise CheckpointError(f"{tag_dir}: no *_optim_states.pt files; the save is incomplete or was made "
                               "with exclude_frozen_parameters/without a ZeRO optimizer: re-save it with "
@@ -195,7 +205,7 @@ def _merge_model_parallel(tag_dir, per_mp, config_dir, user_rules) -> ExportPlan
             raise LayoutError(f"{first.name}: rule '{rule.source}' says replicated but the {mp} model-parallel "
                               f"ranks hold shapes {[list(s.shape) for s in t_slices]}; pass --tp-rule to fix")
         return TensorPlan(first.name, first.shape, first.src_dtype, first.parts, kind=first.kind, rule=rule.source,
-                          replicas=[s.parts[0] for s in t_slices[1:]])
+                          replicas=[s.parts[0] for s in t_slices[1:]], module_check=first.module_check)
 
     if info is None and full and all(s.shape == full.get(n) for n, ss in slices.items() for s in ss):
         axis, reason = "replica", ("every model-parallel rank records every parameter at its full shape "
@@ -231,8 +241,12 @@ def _merge_model_parallel(tag_dir, per_mp, config_dir, user_rules) -> ExportPlan
             raise LayoutError(f"{n}: merging {mp} slices {[list(s) for s in shapes]} by '{rule.source}' gives "
                               f"{list(shape)}, but config.json's model has {list(full[n])}; pass --tp-rule "
                               f"'{n}=0|1|replicated' with the right split")
+        check = None
+        if all(s.module_check is not None for s in ss):  # part by part, as the slices were saved
+            check = ([s.module_check[0][0] for s in ss], [s.module_check[1][0] for s in ss])
         merged.append(TensorPlan(n, shape, ss[0].src_dtype, [s.parts[0] for s in ss], kind=ss[0].kind,
-                                 cat_dim=rule.dim, part_shapes=shapes, keep_rows=keep, rule=rule.source))
+                                 cat_dim=rule.dim, part_shapes=shapes, keep_rows=keep, rule=rule.source,
+                                 module_check=check))
     plan = plans[0]
     plan.tensors = merged
     plan.mp_axis, plan.mp_axis_reason = axis, reason
@@ -278,19 +292,55 @@ def _resolve_rule(name, ss, info, hf_plans, embeddings, user_rules, full) -> Rul
     return rule
 
 
+def _typed(value, ok, path, key):
+    if not ok(value):
+        raise LayoutError(f"{path}: recorded {key} has an unexpected type ({type(value).__name__}: "
+                          f"{safe_load.short_repr(value)}); the file is corrupt or not written by DeepSpeed: "
+                          "copy it again from the training run")
+
+
+def _str_dict(v):
+    return isinstance(v, dict) and all(type(k) is str for k in v)
+
+
+def _check_model_types(model, path):
+    """The model-states fields this source reads have the types DeepSpeed writes (a file from
+    elsewhere, or a corrupt one, is refused by name rather than failing deep inside)."""
+    _typed(model.get("param_shapes"), lambda v: isinstance(v, list) and all(_str_dict(g) for g in v), path,
+           "param_shapes")
+    for key in ("module", "frozen_param_shapes", "frozen_param_fragments"):
+        _typed(model.get(key) or {}, _str_dict, path, key)
+    _typed(model.get("shared_params") or {}, lambda v: _str_dict(v) and all(type(x) is str for x in v.values()),
+           path, "shared_params")
+    _typed(model.get("buffer_names") or [], lambda v: isinstance(v, (list, tuple)) and
+           all(type(x) is str for x in v), path, "buffer_names")
+
+
+def _check_optim_types(osd, path):
+    """The same for the optimizer-state fields this source reads."""
+    for key in ("single_partition_of_fp32_groups", "fp32_flat_groups", "group_paddings", "param_slice_mappings"):
+        if key in osd:
+            _typed(osd[key], lambda v: isinstance(v, list), path, key)
+    if "group_paddings" in osd:
+        _typed(osd["group_paddings"], lambda v: all(type(x) is int for x in v), path, "group_paddings")
+    if isinstance(osd.get("param_slice_mappings"), list):
+        _typed(osd["param_slice_mappings"], lambda v: all(_str_dict(m) for m in v), path, "param_slice_mappings")
+
+
 def _meta_int(value, path, key):
     """A recorded integer (``zero_stage``, ``partition_count``...), or LayoutError naming the file."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    raise LayoutError(f"{path}: recorded {key} is {value!r}, not an integer; the file is corrupt or not "
-                      "written by DeepSpeed: copy it again from the training run")
+    raise LayoutError(f"{path}: recorded {key} is {safe_load.short_repr(value)}, not an integer; the file is "
+                      "corrupt or not written by DeepSpeed: copy it again from the training run")
 
 
 def _shape(value, path, name):
-    try:
-        shape = tuple(int(s) for s in value)
-    except (TypeError, ValueError):
-        raise LayoutError(f"{path}: recorded shape of {name} is not a shape ({value!r}); the file is corrupt")
+    if not isinstance(value, (tuple, list)) or len(value) > safe_load.MAX_NDIM or \
+            not all(type(s) is int for s in value):
+        raise LayoutError(f"{path}: recorded shape of {safe_load.short_repr(name)} is not a shape "
+                          f"({safe_load.short_repr(value)}); the file is corrupt")
+    shape = tuple(value)
     if any(s < 0 for s in shape):
         raise LayoutError(f"{path}: recorded shape of {name} is negative ({shape}); the file is corrupt")
     return shape
@@ -313,16 +363,17 @@ def _tensor_pieces(ref: safe_load.TensorRef, start: int, count: int) -> Piece:
 def _plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, _Rank], model_files, out_dtype) -> ExportPlan:
     dp = len(ranks)
     if sorted(ranks) != list(range(dp)):
-        missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
-        raise LayoutError(f"{tag_dir}: data-parallel rank file(s) {missing} missing (found ranks "
-                          f"{sorted(ranks)}); copy the whole tag directory again")
+        # (bounded by the files present: a file named rank 10**12 must not build a range to it)
+        missing = sorted(set(range(dp)) - set(ranks))
+        raise LayoutError(f"{tag_dir}: data-parallel rank file(s) {missing[:8]} missing (found ranks "
+                          f"{sorted(ranks)[:8]}{'...' if dp > 8 else ''}); copy the whole tag directory again")
     stage = _meta_int(ranks[0].osd["zero_stage"], ranks[0].path, "zero_stage")
     for r in ranks.values():
         pc = r.osd.get("partition_count")
         counts = pc if isinstance(pc, list) else [pc]
         r_stage = _meta_int(r.osd["zero_stage"], r.path, "zero_stage")
         if r_stage != stage or not counts or any(_meta_int(c, r.path, "partition_count") != dp for c in counts):
-            raise LayoutError(f"{r.path}: records zero_stage={r_stage} partition_count={pc}, "
+            raise LayoutError(f"{r.path}: records zero_stage={r_stage} partition_count={safe_load.short_repr(pc)}, "
                               f"but the tag holds {dp} rank files of stage {stage}; files from different "
                               "saves are mixed: copy one save's tag directory again")
     if stage == 3:
@@ -337,9 +388,8 @@ def _plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, _Rank], model_files, out_dt
                               "tag directory again")
     model = safe_load.load(model_path)
     param_groups = _require(model, "param_shapes", model_path, "model-states")
+    _check_model_types(model, model_path)
     module = model.get("module") or {}
-    if not isinstance(param_groups, list) or not isinstance(module, dict):
-        raise LayoutError(f"{model_path}: 'param_shapes' or 'module' has an unexpected type; the file is corrupt")
     shared = model.get("shared_params") or {}
     buffer_names = list(model.get("buffer_names") or [])
 
@@ -348,7 +398,7 @@ def _plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, _Rank], model_files, out_dt
         _plan_zero3(ranks, param_groups, model_path, tensors)
         _plan_zero3_frozen(model_files, dp, tensors)
     else:
-        _plan_zero12(ranks, param_groups, model_path, tensors)
+        _plan_zero12(ranks, param_groups, model_path, tensors, module)
         _plan_zero12_frozen(model, model_path, tensors)
     for name in buffer_names:
         ref = module.get(name)
@@ -370,7 +420,7 @@ def _plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, _Rank], model_files, out_dt
             ref = module.get(name)
             if t.kind == "master" and isinstance(ref, safe_load.TensorRef) and ref.shape == t.shape:
                 tensors[name] = TensorPlan(name, t.shape, ref.dtype, [[_tensor_pieces(ref, 0, ref.numel)]],
-                                           kind="module")
+                                           kind="module", module_check=t.module_check)
 
     # Output order = the model's state_dict order (as save_pretrained writes it), then the rest.
     ordered = [tensors.pop(n) for n in list(module) if n in tensors]
@@ -389,7 +439,7 @@ def _plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, _Rank], model_files, out_dt
     return plan, model.get("universal_checkpoint_info")
 
 
-def _plan_zero12(ranks, param_groups, model_path, tensors):
+def _plan_zero12(ranks, param_groups, model_path, tensors, module):
     dp = len(ranks)
     for i, group in enumerate(param_groups):
         names = list(group)
@@ -422,9 +472,76 @@ def _plan_zero12(ranks, param_groups, model_path, tensors):
                     raise LayoutError(f"{ranks[r].path}: the offsets this file records (param_slice_mappings) "
                                       f"disagree with its place as data-parallel rank {r} for {bad[:3]}; the "
                                       "file was renamed or comes from another save: restore the original names")
+        copies = {n: _module_copy(module.get(n), shape) for n, shape in zip(names, shapes)}
+        _prove_places(ranks, i, names, frags, parts, copies, model_path)
         for name, shape, fr in zip(names, shapes, frags):
             pieces = [_tensor_pieces(parts[r], local, count) for r, local, count in fr]
-            tensors[name] = TensorPlan(name, shape, "F32", [pieces], kind="master")
+            copy = copies[name]
+            check = ([pieces], [[_tensor_pieces(copy, 0, copy.numel)]]) if copy is not None else None
+            tensors[name] = TensorPlan(name, shape, "F32", [pieces], kind="master", module_check=check)
+
+
+# Elements per rank and parameter group compared with the module weights while planning: both
+# ends of the partition and evenly spaced ones between (``verify`` compares every element).
+PLACE_SAMPLES = 8
+
+
+def _module_copy(ref, shape):
+    """The module weight matching a master of ``shape``, if the model-states file holds one."""
+    if isinstance(ref, safe_load.TensorRef) and ref.shape == tuple(shape) and ref.is_contiguous() and \
+            ref.dtype in ("F32", "BF16", "F16"):
+        return ref
+    return None
+
+
+def _prove_places(ranks, group, names, frags, parts, copies, model_path):
+    """Prove each rank file sits at its place: a few of its fp32 masters, cast to the module weights'
+    dtype, must equal the module weights (saved whole in the model-states file) at the positions
+    the place implies. ``param_slice_mappings`` cannot do this when several ranks hold slices of
+    one parameter: their records are identical, so swapped files look right.
+
+    Raises :class:`LayoutError` naming the file and the element that disagrees.
+    """
+    from ..assemble import cast_f32
+
+    by_rank = {r: [] for r in range(len(parts))}  # rank -> [(local start, count, name, offset in param)]
+    for name, fr in zip(names, frags):
+        done = 0
+        for r, local, count in fr:
+            by_rank[r].append((local, count, name, done))
+            done += count
+    with safe_load.MappedFiles() as files:
+        for r, spans in by_rank.items():
+            n = parts[r].numel
+            for pos in sorted({(n - 1) * k // (PLACE_SAMPLES - 1) for k in range(PLACE_SAMPLES)} if n else ()):
+                hit = next(((name, off + pos - local) for local, count, name, off in spans
+                            if local <= pos < local + count), None)
+                copy = copies.get(hit[0]) if hit else None
+                if copy is None:
+                    continue
+                master = bytes(files.read(*_one(parts[r], pos)))
+                want = bytes(files.read(*_one(copy, hit[1])))
+                got = cast_f32(master, copy.dtype)
+                if got != want and not (_is_nan(got, copy.dtype) and _is_nan(want, copy.dtype)):
+                    raise LayoutError(
+                        f"{ranks[r].path}: its fp32 partition of parameter group {group} does not match the "
+                        f"model's own weights ({os.path.basename(model_path)}) at its place as data-parallel "
+                        f"rank {r} ({hit[0]}[{hit[1]}]); rank files were swapped, renamed or copied from another "
+                        "save: restore the original file names, or copy the tag directory again")
+
+
+def _one(ref, index):
+    offset, nbytes = ref.byte_range(index, 1)
+    return ref.path, offset, nbytes
+
+
+def _is_nan(raw, dtype):
+    bits = int.from_bytes(raw, "little")
+    if dtype == "F32":
+        return (bits & 0x7FFFFFFF) > 0x7F800000
+    if dtype == "BF16":
+        return (bits & 0x7FFF) > 0x7F80
+    return (bits & 0x7FFF) > 0x7C00
 
 
 def _param_alignment_paddings(ranks, group):
