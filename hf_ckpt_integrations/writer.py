@@ -242,12 +242,9 @@ def set_config_dtype(directory, tensors: Sequence[OutTensor]) -> None:
         return
     with open(path, encoding="utf-8") as fh:
         cfg = json.load(fh)
-    try:
-        import transformers
+    from .sources.hub_layout import transformers_major
 
-        key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    except ImportError:
-        key = "torch_dtype"
+    key = "dtype" if (transformers_major() or 0) >= 5 else "torch_dtype"
     key = next((k for k in ("dtype", "torch_dtype") if k in cfg), key)
     value = _CONFIG_DTYPES[floats.pop()]
     if cfg.get(key) == value:

@@ -28,7 +28,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import LayoutError
 
-__all__ = ["HubTensor", "meta_model", "hub_layout", "describe_conversions", "convert_plan", "live_layout",
+__all__ = ["HubTensor", "meta_model", "transformers_major", "hub_layout", "describe_conversions", "convert_plan",
+           "live_layout",
            "tied_renames"]
 
 
@@ -121,7 +122,20 @@ def _keep_views():
     return KeepViews()
 
 
+def transformers_major() -> Optional[int]:
+    """The installed transformers' major version, from the package metadata (importing transformers
+    imports torch: a few seconds and hundreds of MB for a question about a version); None without it."""
+    import importlib.metadata as md
+
+    try:
+        return int(md.version("transformers").split(".")[0])
+    except (md.PackageNotFoundError, ValueError):
+        return None
+
+
 def _revert():
+    if (transformers_major() or 0) < 5:  # 4.x fuses nothing in memory: the layout is the identity
+        return None
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers 4.x: no in-memory fusion, the layout is the identity
