@@ -13,7 +13,6 @@ import json
 import pickle
 import shutil
 import zipfile
-from pathlib import Path
 
 import pytest
 
