@@ -111,11 +111,8 @@ def test_iter_cast_reads_pieces_across_files_and_chunks(tmp_path):
         list(iter_cast(short, "BF16", _Owner()))
 
 
-def test_bf16_export_of_fp32_masters_never_imports_torch(tmp_path):
-    """The data path: the CLI's bf16 export of a byte-copyable fp32 checkpoint runs without torch in
-    the process, and its bytes are torch's cast of the masters. (Without a config.json: with one, on
-    transformers 5 the *planning* imports transformers to derive the Hub layout — see
-    test_bf16_export_with_a_config_plans_with_transformers below and docs/performance.md.)"""
+def _synthetic_zero3(tmp_path):
+    """A small synthetic fp32 ZeRO-3 save (benchmarks/synth_ckpt.py) with its config.json and masters."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         from synth_ckpt import make_checkpoint
@@ -123,6 +120,15 @@ def test_bf16_export_of_fp32_masters_never_imports_torch(tmp_path):
         sys.path.pop(0)
     src = tmp_path / "ckpt"
     make_checkpoint(src, stage=3, dp=3, layers=2, hidden=16, vocab=50, reference=True)
+    return src
+
+
+def test_bf16_export_of_fp32_masters_never_imports_torch(tmp_path):
+    """The data path: the CLI's bf16 export of a byte-copyable fp32 checkpoint runs without torch in
+    the process, and its bytes are torch's cast of the masters. (Without a config.json: with one, on
+    transformers 5 the *planning* imports transformers to derive the Hub layout — see
+    test_bf16_export_with_a_config_plans_with_transformers below and docs/performance.md.)"""
+    src = _synthetic_zero3(tmp_path)
     (tmp_path / "away").mkdir()  # not beside the checkpoint nor in its parent, where export looks
     os.rename(src / "config.json", tmp_path / "away" / "config.json")
     out = tmp_path / "hf"
@@ -151,13 +157,7 @@ def test_bf16_export_of_fp32_masters_never_imports_torch(tmp_path):
 def test_bf16_export_with_a_config_plans_with_transformers(tmp_path):
     """With a config.json the plan asks transformers for the Hub layout (identity for Llama); the
     bytes are the same as the torch-free data path's."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        from synth_ckpt import make_checkpoint
-    finally:
-        sys.path.pop(0)
-    src = tmp_path / "ckpt"
-    make_checkpoint(src, stage=3, dp=3, layers=2, hidden=16, vocab=50, reference=True)
+    src = _synthetic_zero3(tmp_path)
     outs = []
     for i, config in enumerate((True, False)):
         if not config:
