@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +34,10 @@ ENGINE_TIMEOUT_S = 900
 # be loading it — seen: the .so missing mid-run while another clone's tests ran. Every process the
 # tests start (engine runs, notebooks, the CLI) inherits this venv's own directory instead.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
+
+# The Hub-layout answers transformers gives are cached (sources/hub_layout.py); the tests keep theirs
+# in a directory of this session, never the user's ~/.cache, so every run derives them afresh.
+os.environ.setdefault("HF_CKPT_CACHE", tempfile.mkdtemp(prefix="hfckpt-layout-cache-"))
 
 # ColossalAI tests run in .venv-cai only (`make test-cai`).
 collect_ignore = [] if importlib.util.find_spec("colossalai") else ["cai"]

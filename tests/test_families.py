@@ -11,6 +11,7 @@ transformers 5 (.venv) and 4.51 (.venv-cai).
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,36 @@ def test_trainer_callback_and_live_save_write_the_hub_layout(engine_ckpt):
     assert_same_as_save_pretrained(case / "run" / "checkpoint-2", ref)
     assert_same_as_save_pretrained(case / "live", ref)
     assert any(".mlp.experts.3.up_proj.weight" in n for n in _tensors(case / "live"))
+
+
+def test_hub_layout_cache_skips_transformers_and_is_rechecked(engine_ckpt, tmp_path):
+    """Every checkpoint-N of a run asks transformers the same question: the second export takes the
+    answer from the cache (no torch import, same bytes); a cache entry that no longer tiles the
+    checkpoint's tensors is ignored and the layout derived again."""
+    case = engine_ckpt("fam-mixtral-z3")
+    cache = tmp_path / "cache"
+    code = ("import sys; from hf_ckpt_integrations.cli import main; rc = main(sys.argv[1:]); "
+            "print('TORCH', 'torch' in sys.modules); sys.exit(rc)")
+
+    def export(dst):
+        r = subprocess.run([sys.executable, "-c", code, "export", str(case / "ckpt"), str(dst), "--config",
+                            str(case / "config"), "--quiet"], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "HF_CKPT_CACHE": str(cache)})
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    assert "TORCH True" in export(tmp_path / "a")  # derived by transformers
+    entries = list((cache / "hub-layout").glob("*.json"))
+    assert len(entries) == 1
+    assert "TORCH False" in export(tmp_path / "b")  # from the cache
+    entry = json.loads(entries[0].read_text())
+    experts = [h for h in entry["layout"] if h[3] != 0]
+    assert experts, "the Mixtral layout splits experts"
+    experts[0][3] += 1  # one slice shifted by an element: no longer tiles its tensor
+    entries[0].write_text(json.dumps(entry))
+    assert "TORCH True" in export(tmp_path / "c")  # not trusted: derived again
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    for other in ("b", "c"):
+        assert sorted(p.name for p in (tmp_path / other).iterdir()) == files
+        for f in files:
+            assert (tmp_path / other / f).read_bytes() == (tmp_path / "a" / f).read_bytes(), (other, f)

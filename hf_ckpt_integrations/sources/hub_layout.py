@@ -194,10 +194,17 @@ def hub_layout(shapes: Dict[str, Tuple[int, ...]], model) -> Optional[List[HubTe
                 "convert this layout and refuses rather than write names only one transformers version loads: "
                 "load the checkpoint in transformers and call save_pretrained, or report the model type")
         result.append(HubTensor(name, src, tuple(t.shape), t.storage_offset()))
-    # Each trained tensor must be written exactly once: its slices tile it, no element dropped or doubled.
+    _check_tiling(result, shapes, model_type)
+    return result
+
+
+def _check_tiling(layout: Sequence[HubTensor], shapes: Dict[str, Tuple[int, ...]], model_type) -> None:
+    """Each trained tensor is written exactly once: its slices tile it, no element dropped or doubled."""
     spans: Dict[str, List[Tuple[int, int]]] = {}
-    for h in result:
+    for h in layout:
         spans.setdefault(h.source, []).append((h.offset, h.offset + math.prod(h.shape)))
+    if set(spans) - set(shapes):
+        raise LayoutError(f"{sorted(set(spans) - set(shapes))[:3]}: not tensors of the checkpoint; refused")
     for src, shape in shapes.items():
         covered = sorted(spans.get(src, []))
         ends = [0] + [b for _, b in covered]
@@ -205,7 +212,6 @@ def hub_layout(shapes: Dict[str, Tuple[int, ...]], model) -> Optional[List[HubTe
             raise LayoutError(f"{src}: transformers' save_pretrained for model type {model_type!r} does not write "
                               f"it exactly once (slices {covered} of {math.prod(shape)} elements); refused: "
                               "report the model type")
-    return result
 
 
 def describe_conversions(layout: Optional[Sequence[HubTensor]], shapes: Dict[str, Tuple[int, ...]]) -> List[dict]:
@@ -243,38 +249,122 @@ def _model_for(config_dir: str, model_type: Optional[str]):
                           "fix the config or pass --config with one transformers loads") from None
 
 
-def convert_plan(plan) -> None:
-    """Rewrite ``plan.tensors`` (already without tied aliases) into the Hub layout in place: renamed,
-    fused tensors split into byte ranges (:meth:`~..plan.TensorPlan.narrowed`), in save_pretrained's
-    order; ``plan.conversions`` says what was done. Needs ``plan.config_dir``."""
-    import dataclasses
+# Bump when what a cache entry holds (or how it is derived) changes.
+_LAYOUT_CACHE_FORMAT = 1
+
+
+def _layout_cache_path(cfg: dict, shapes: Dict[str, Tuple[int, ...]], aliases: Dict[str, str]) -> Optional[str]:
+    """Where the derived layout of this (transformers release, config, names and shapes, tied names) is
+    kept: ``$HF_CKPT_CACHE``, else ``$XDG_CACHE_HOME`` or ``~/.cache``, ``/hf_ckpt_integrations/hub-layout``.
+    Deriving it imports torch and transformers (seconds, hundreds of MB); every checkpoint-N of a run asks
+    the same question. None where no cache directory can be named."""
+    import hashlib
+    import importlib.metadata as md
     import json
     import os
 
-    if plan.config_dir is None:
-        return
+    from .. import __version__
+
+    root = os.environ.get("HF_CKPT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "hf_ckpt_integrations")
+    if not os.path.isabs(root):
+        return None
+    key = json.dumps([_LAYOUT_CACHE_FORMAT, __version__, md.version("transformers"), cfg,
+                      [[n, list(s)] for n, s in shapes.items()], sorted(aliases.items())],
+                     sort_keys=True, default=str)
+    return os.path.join(root, "hub-layout", hashlib.sha256(key.encode()).hexdigest() + ".json")
+
+
+def _read_cached(path: Optional[str], shapes, aliases) -> Optional[dict]:
+    """A cache entry, or None when absent or not exactly what :func:`_derive` writes (then it is
+    derived again: an entry is a speed-up, never trusted beyond what is re-checked)."""
+    import json
+
+    if path is None:
+        return None
     try:
-        with open(os.path.join(plan.config_dir, "config.json"), encoding="utf-8") as fh:
-            model_type = json.load(fh).get("model_type")
-    except (OSError, ValueError):
-        model_type = None
-    if _revert() is None:
+        with open(path, encoding="utf-8") as fh:
+            entry = json.loads(fh.read(64 * 2**20))
+        renames, layout, note = entry["renames"], entry["layout"], entry["note"]
+        ok = (isinstance(renames, dict) and all(k in shapes and isinstance(v, str) and aliases.get(v) == k
+                                                for k, v in renames.items())
+              and (note is None or isinstance(note, str))
+              and (layout is None or (isinstance(layout, list) and all(
+                  isinstance(h, list) and len(h) == 4 and isinstance(h[0], str) and isinstance(h[1], str)
+                  and isinstance(h[2], list) and all(type(d) is int and d >= 0 for d in h[2])
+                  and type(h[3]) is int and h[3] >= 0 for h in layout))))
+        if ok and layout is not None:  # it must still tile every tensor exactly once
+            renamed = {renames.get(n, n): sh for n, sh in shapes.items()}
+            _check_tiling([HubTensor(h[0], h[1], tuple(h[2]), h[3]) for h in layout], renamed, None)
+        return entry if ok else None
+    except (OSError, ValueError, KeyError, TypeError, LayoutError):
+        return None
+
+
+def _write_cached(path: Optional[str], entry: dict) -> None:
+    import json
+    import os
+    import tempfile
+
+    if path is None:
         return
-    model = _model_for(plan.config_dir, model_type)
+    try:  # best effort: a read-only home or a full disk only costs the next export the derivation
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(entry, fh)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _derive(config_dir: str, model_type, shapes: Dict[str, Tuple[int, ...]], aliases: Dict[str, str]) -> dict:
+    """Ask transformers (a meta model of the config's family): ``{"renames": {stored: kept name},
+    "layout": [[name, source, shape, offset], ...] or None (unchanged), "note": str or None}``.
+    Raises :class:`LayoutError` for a conversion that is refused."""
+    model = _model_for(config_dir, model_type)
     if model is None:
-        plan.notes.append(f"config.json's model (type {model_type!r}) cannot be built by the installed "
-                          "transformers and has no registered save-time conversion: names written as trained")
+        return {"renames": {}, "layout": None,
+                "note": f"config.json's model (type {model_type!r}) cannot be built by the installed transformers "
+                        "and has no registered save-time conversion: names written as trained"}
+    renames = tied_renames(model, aliases)
+    shapes = {renames.get(n, n): s for n, s in shapes.items()}
+    layout = hub_layout(shapes, model)
+    return {"renames": renames, "note": None,
+            "layout": None if layout is None else [[h.name, h.source, list(h.shape), h.offset] for h in layout]}
+
+
+def convert_plan(plan) -> None:
+    """Rewrite ``plan.tensors`` (already without tied aliases) into the Hub layout in place: renamed,
+    fused tensors split into byte ranges (:meth:`~..plan.TensorPlan.narrowed`), in save_pretrained's
+    order; ``plan.conversions`` says what was done. Needs ``plan.config_dir``. The answer transformers
+    gives is cached (:func:`_layout_cache_path`); a cached layout is re-checked like a fresh one."""
+    import dataclasses
+
+    from ..guards import read_config
+
+    if plan.config_dir is None or (transformers_major() or 0) < 5:
         return
-    renames = tied_renames(model, plan.aliases)
+    cfg = read_config(plan.config_dir)
+    model_type = cfg.get("model_type")
+    shapes = {t.name: tuple(t.shape) for t in plan.tensors}
+    cache = _layout_cache_path(cfg, shapes, plan.aliases)
+    entry = _read_cached(cache, shapes, plan.aliases)
+    if entry is None:
+        entry = _derive(plan.config_dir, model_type, shapes, plan.aliases)
+        _write_cached(cache, entry)
+    if entry["note"]:
+        plan.notes.append(entry["note"])
+    renames = entry["renames"]
     if renames:  # the tied group written under the name save_pretrained keeps
         plan.tensors = [dataclasses.replace(t, name=renames[t.name]) if t.name in renames else t for t in plan.tensors]
         plan.aliases = {(s if a == renames.get(s) else a): renames.get(s, s) for a, s in plan.aliases.items()}
         plan.notes.append("tied weights written under the names save_pretrained keeps: "
                           + ", ".join(f"{a} (stored as {s})" for s, a in renames.items()))
-    shapes = {t.name: tuple(t.shape) for t in plan.tensors}
-    layout = hub_layout(shapes, model)
-    if layout is None:
+    if entry["layout"] is None:
         return
+    shapes = {t.name: tuple(t.shape) for t in plan.tensors}
+    layout = [HubTensor(n, src, tuple(shape), offset) for n, src, shape, offset in entry["layout"]]
     by_name = {t.name: t for t in plan.tensors}
     tensors = []
     for h in layout:
