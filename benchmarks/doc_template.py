@@ -77,7 +77,12 @@ Columns:
   that before doing any work. `zero_to_fp32.py` imports torch and DeepSpeed; the DCP consolidation
   imports torch; `hf-ckpt export` imports neither, in fp32 (the byte-copy path, which does not
   import numpy either) or bf16 (numpy's bit operations on 1 MB chunks); it imports torch only to
-  merge tensor-parallel slices.
+  merge tensor-parallel slices, and — once per model (config, names, shapes) and transformers
+  release — to ask transformers 5 for the Hub layout `save_pretrained` writes
+  ([hub-layout.md](hub-layout.md)). The benchmark keeps that answer in a fresh cache of its own:
+  the first `hf-ckpt` row of each case derives it (the "transformers Hub-layout question" fixed
+  cost below, and a few hundred MB of RSS in that run), every later row reads it from the cache,
+  as every checkpoint-N after the first of a real run does. The medians are those later runs.
 - "write phase of ours" is the writer's own timing from the `hf-ckpt export` summary line (plan
   already built): the copy of the bytes and the per-shard `fsync`.
 - The equality checks load both outputs and compare every tensor's bytes; the rank-parallel check

@@ -325,7 +325,9 @@ def import_costs(pairs):
     out = {}
     for label, code in (("python -c pass", "pass"), ("import torch", "import torch"),
                         ("import deepspeed", "import deepspeed"),
-                        ("import hf_ckpt_integrations.cli", "import hf_ckpt_integrations.cli")):
+                        ("import hf_ckpt_integrations.cli", "import hf_ckpt_integrations.cli"),
+                        ("transformers Hub-layout question (Llama, uncached)",
+                         "import transformers.core_model_loading, transformers.models.llama.modeling_llama")):
         out[label] = median([run_child([PY, "-c", code])[0] for _ in range(pairs)])
     return out
 
@@ -431,6 +433,10 @@ def main(argv=None):
     p.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
     p.add_argument("--doc-only", action="store_true", help="re-render the doc from the last run's results.json")
     args = p.parse_args(argv)
+    # The Hub-layout answers in a cache of this run (doc_template: "How to read this").
+    import tempfile
+
+    CHILD_ENV["HF_CKPT_CACHE"] = os.environ["HF_CKPT_CACHE"] = tempfile.mkdtemp(prefix="hfckpt-bench-layout-")
     names = [n for n in args.cases.split(",") if n]
     if args.doc_only:
         saved = json.loads(RESULTS.read_text())
