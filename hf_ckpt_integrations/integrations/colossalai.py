@@ -10,8 +10,8 @@ signature but writes ``path`` as a HuggingFace directory that ``from_pretrained(
 - every TP-sharded tensor gathered first, then its vocabulary padding cut to the recorded
   original length (:mod:`..sources.colossalai`; seed 003) — whatever the installed ColossalAI's
   own save path does;
-- streamed: shard ``i`` written by rank ``i % world_size``; only that rank receives the pieces,
-  one tensor at a time; staged and moved into place when every rank succeeded.
+- streamed: each shard is written by the rank the writer assigns it to; only that rank receives
+  the pieces, one tensor at a time; staged and merged into place when every rank succeeded.
 
 Every rank must call ``save_model`` (as ColossalAI already requires). ``use_safetensors``,
 ``gather_dtensor``, ``prefix`` and ``use_async`` are ignored on this path (HF names, safetensors,
@@ -45,7 +45,6 @@ def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, d
     Returns the writer's report. Raises :class:`~._dist.SaveError` on every rank when any failed.
     """
     from ..sources.colossalai import bind_tensors, describe_model
-    from ._dist import _split
 
     if hasattr(model, "_force_wait_all_gather"):
         model._force_wait_all_gather()  # ZeRO overlap_allgather may still be filling the params
@@ -58,15 +57,13 @@ def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, d
         error = e
     all_ranks_ok(error, f"booster.save_model into {checkpoint}: reading the layout")
     max_shard_size = int(size_per_shard * _MIB) if shard else _ONE_FILE
-    # The same split write_distributed makes: tells every rank who writes (so who receives) each tensor.
+    # Sizes first (no reader); the writer assigns the shards and hands every rank the assignment,
+    # which tells each rank who writes (so who receives) each tensor.
     sized = bind_tensors(infos, module, lambda name: 0, dtype=dtype)
-    _, world = rank_world()
-    split = _split(sized, max_shard_size, "safetensors")
-    writer = {n: i % world for i, names in enumerate(split.filename_to_tensors.values()) for n in names}
-    tensors = bind_tensors(infos, module, writer.__getitem__, dtype=dtype)
     what = f"booster.save_model into {checkpoint}"
-    report = write_distributed(tensors, checkpoint, max_shard_size=max_shard_size, collective=True,
-                               replace_existing=True, what=what)
+    report = write_distributed(sized, checkpoint, max_shard_size=max_shard_size, collective=True,
+                               replace_existing=True, what=what,
+                               bind=lambda assignment: bind_tensors(infos, module, assignment.writer_of, dtype=dtype))
     error = None
     if rank_world()[0] == 0:
         try:
