@@ -314,8 +314,12 @@ class _Tracked:
 
     def _chunks(self, t):
         def gen():
-            self.current = (t.name, iter(t.chunks()))
-            yield from self.current[1]
+            it = iter(t.chunks())
+            self.current = (t.name, it)
+            # Not ``yield from``: when the writer fails, this generator is closed, and ``yield from``
+            # would close ``it`` too, before drain_rest could finish the tensor's collective.
+            for chunk in it:
+                yield chunk
             self.current = None
             self.done.add(t.name)
         return gen
