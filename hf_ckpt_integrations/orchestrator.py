@@ -10,9 +10,11 @@ calls :func:`write` with the same tensor names, sizes and order; "rank 0" is ran
    staging directory; :func:`assign` splits the tensors into shards (``huggingface_hub``'s split,
    so the names match ``save_pretrained``) and assigns each shard to a rank, once. Both are
    broadcast (one collective); a refusal raises on every rank.
-2. **bind** (every rank): ``bind(assignment)``, when given, returns the tensors to write. This is
-   how a source learns who writes each tensor (a live ZeRO-3 or ColossalAI source sends its
-   pieces only to that rank); a source never re-derives the assignment.
+2. **bind** (every rank): a live source's plan (:class:`~.plan.TensorPlan` with
+   :class:`~.plan.LivePiece`\ s) becomes the tensors to write, each read given the rank the
+   assignment names (a live ZeRO-3 or ColossalAI source sends its pieces only to that rank); a
+   source never derives the assignment itself. (``bind(assignment)``, when given, does the same
+   for any other tensors.)
 3. **write local shards** (every rank): the rank writing a shard streams it into the staging
    directory (:func:`~.writer.write_shard`, fsynced); with ``collective`` (reading a tensor is a
    collective), every other rank walks the same tensors in :func:`~.writer.shard_order` and calls
@@ -36,10 +38,12 @@ from huggingface_hub import split_state_dict_into_shards_factory
 
 from .commit import CommitStrategy, disk_error
 from .errors import CheckpointError, DestinationError
+from .plan import TensorPlan
 from .writer import (MAX_SHARD_SIZE, SAFETENSORS_FILENAME_PATTERN, INDEX_NAME, OutTensor, progress_bar, shard_order,
                      write_index, write_shard)
 
-__all__ = ["WriteError", "Comm", "TorchComm", "Assignment", "assign", "write", "BIN_PATTERN", "BIN_INDEX_NAME"]
+__all__ = ["WriteError", "Comm", "TorchComm", "Assignment", "assign", "write", "live_out_tensors", "BIN_PATTERN",
+           "BIN_INDEX_NAME"]
 
 BIN_PATTERN = "pytorch_model{suffix}.bin"
 BIN_INDEX_NAME = "pytorch_model.bin.index.json"
@@ -175,6 +179,14 @@ def write(tensors: Sequence[OutTensor], strategy: Optional[CommitStrategy], *, c
     rank, world = comm.rank, comm.world
     if fmt not in ("safetensors", "bin"):
         raise ValueError(f"fmt={fmt!r}; use 'safetensors' or 'bin'")
+    if any(isinstance(t, TensorPlan) for t in tensors):  # a live source's plan
+        if bind is not None:
+            raise ValueError("pass either a live plan or bind, not both")
+        plans = list(tensors)
+        tensors = [OutTensor(t.name, t.src_dtype, tuple(t.shape), None) for t in plans]  # sizes only
+
+        def bind(assignment):
+            return live_out_tensors(plans, assignment)
 
     # 1. prepare: rank 0 locks and stages, and assigns the shards; every rank learns both.
     box = None
@@ -333,6 +345,32 @@ class _Tracked:
         for t in shard_order(tensors):
             if t.name not in self.done:
                 drain(t)
+
+
+@dataclass
+class _LiveOut(OutTensor):
+    drain: Optional[Callable[[], None]] = None
+
+
+def live_out_tensors(plans: Sequence[TensorPlan], assignment: Assignment) -> List[OutTensor]:
+    """The tensors to write for a live plan: each :class:`~.plan.LivePiece` read on behalf of the
+    rank the assignment gives its tensor (``chunks()`` on that rank; ``drain()``, the same read
+    with its bytes dropped, on the others)."""
+    out = []
+    for t in plans:
+        writer = assignment.writer_of(t.name)
+        pieces = [p for part in t.parts for p in part]
+
+        def chunks(pieces=pieces, writer=writer):
+            for p in pieces:
+                yield from p.read(p.lo, p.hi, writer)
+
+        def drain_(chunks=chunks):
+            for _ in chunks():
+                pass
+
+        out.append(_LiveOut(t.name, t.src_dtype, tuple(t.shape), chunks, drain_))
+    return out
 
 
 def drain(t: OutTensor) -> None:

@@ -13,11 +13,11 @@ narrowed pieces (:func:`narrow_pieces`), so the copy stays a byte-range copy.
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .errors import OptionError
 
-__all__ = ["Piece", "TensorPlan", "ExportPlan", "DTYPE_NAMES", "dtype_from_name", "narrow_pieces",
+__all__ = ["Piece", "LivePiece", "TensorPlan", "ExportPlan", "DTYPE_NAMES", "dtype_from_name", "narrow_pieces",
            "check_plan"]
 
 # CLI/user names -> safetensors names
@@ -42,6 +42,19 @@ class Piece:
     offset: int
     numel: int
     dtype: str
+
+
+@dataclass(frozen=True)
+class LivePiece:
+    """Elements ``[lo, hi)`` of a tensor held by a live engine (a save-time source), read when the
+    writer asks: ``read(lo, hi, writer)`` yields their bytes, already in the tensor's output dtype
+    (the plan's ``src_dtype``), on rank ``writer`` — the rank the writer assigned the tensor to —
+    and nothing elsewhere. A read may be a collective (ZeRO-3 partitions, TP slices sent to the
+    writer): every rank calls it, in the writer's order, and the others drop what it yields."""
+
+    read: Callable
+    lo: int
+    hi: int
 
 
 def narrow_pieces(pieces: List[Piece], start: int, count: int) -> List[Piece]:

@@ -109,9 +109,10 @@ def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_S
                       bind: Optional[Callable[[Assignment], Sequence[OutTensor]]] = None) -> dict:
     """Write ``tensors`` as HF weights into the existing-or-new directory ``dst`` (see module doc).
 
-    Called by every rank with the same ``tensors`` (names, sizes, order). ``bind(assignment)``,
-    when given, returns the tensors to write once the writer has assigned shards to ranks (a
-    source that sends each tensor to its writing rank needs it). With ``collective`` (reading a
+    Called by every rank with the same ``tensors`` (names, sizes, order): writer tensors, or a live
+    source's plan (:class:`~..plan.TensorPlan` with :class:`~..plan.LivePiece`\ s, whose reads the
+    writer calls with each tensor's writing rank). ``bind(assignment)``, when given, returns the
+    tensors to write once the writer has assigned shards to ranks. With ``collective`` (reading a
     tensor is a collective) ranks that do not write a shard ``drain()`` its tensors. Existing
     weight files in ``dst`` are replaced as a set only after every rank has written its shards
     (``replace_existing``); other files are kept. Returns ``{"files": [shard names], "tensor_bytes":
@@ -122,8 +123,8 @@ def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_S
         return {"config_files": copy_config_files(config_dir, staging, tensors=tensors)}
 
     report = write(tensors, MergeIntoCheckpoint(dst, replace_existing=replace_existing), comm=default_comm(),
-                   max_shard_size=max_shard_size, fmt=fmt, collective=collective, bind=bind, finish=finish if config_dir else None,
-                   what=what, consequence=_SAVE_CONSEQUENCE)
+                   max_shard_size=max_shard_size, fmt=fmt, collective=collective, bind=bind,
+                   finish=finish if config_dir else None, what=what, consequence=_SAVE_CONSEQUENCE)
     return {"files": report["shard_files"], "tensor_bytes": report["tensor_bytes"],
             "written_here": report["written_here"], "sharded": report["sharded"],
             "shards_by_rank": report["shards_by_rank"]}

@@ -44,7 +44,7 @@ def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, d
 
     Returns the writer's report. Raises :class:`~._dist.SaveError` on every rank when any failed.
     """
-    from ..sources.colossalai import bind_tensors, describe_model
+    from ..sources.colossalai import describe_model, live_plan
 
     if hasattr(model, "_force_wait_all_gather"):
         model._force_wait_all_gather()  # ZeRO overlap_allgather may still be filling the params
@@ -57,13 +57,10 @@ def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, d
         error = e
     all_ranks_ok(error, f"booster.save_model into {checkpoint}: reading the layout")
     max_shard_size = int(size_per_shard * _MIB) if shard else _ONE_FILE
-    # Sizes first (no reader); the writer assigns the shards and hands every rank the assignment,
-    # which tells each rank who writes (so who receives) each tensor.
-    sized = bind_tensors(infos, module, lambda name: 0, dtype=dtype)
     what = f"booster.save_model into {checkpoint}"
-    report = write_distributed(sized, checkpoint, max_shard_size=max_shard_size, collective=True,
-                               replace_existing=True, what=what,
-                               bind=lambda assignment: bind_tensors(infos, module, assignment.writer_of, dtype=dtype))
+    # The writer assigns the shards and gives each read its writing rank (who receives each tensor).
+    report = write_distributed(live_plan(infos, module, dtype=dtype), checkpoint, max_shard_size=max_shard_size,
+                               collective=True, replace_existing=True, what=what)
     error = None
     if rank_world()[0] == 0:
         try:
