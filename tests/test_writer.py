@@ -289,3 +289,24 @@ def test_collective_save_writes_what_every_rank_contributed(tmp_path):
         ["model-00002-of-00004.safetensors", "model-00004-of-00004.safetensors"]]
     _assert_state(d, {f"layers.{k}.weight": (np.arange(64 * 256, dtype=np.float32) + 1000 * k).reshape(64, 256)
                       for k in range(8)})
+
+
+@pytest.mark.engine
+def test_zero3_partitions_go_point_to_point_to_the_writing_rank(tmp_path):
+    """3 ranks (gloo), a 10-element parameter in partitions of 4, 4, 2: for every writing rank and
+    element range, the writer gets exactly the range's bytes; each other rank sends only its
+    overlap with the range, only to the writer; nothing is broadcast (traffic ÷ world size)."""
+    script = REPO / "tests" / "scripts" / "zero3_p2p.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(script),
+           str(tmp_path / "seen")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranges = [(0, 10), (3, 9), (4, 8), (9, 10)]
+    for rank in range(3):
+        seen = json.loads((tmp_path / "seen" / f"rank{rank}.json").read_text())
+        assert seen["got"] == {f"{rank}:{lo}:{hi}": True for lo, hi in ranges}
+        mine = (4 * rank, min(4 * rank + 4, 10))
+        expected = [[w, 4 * (min(hi, mine[1]) - max(lo, mine[0]))] for w in range(3) if w != rank
+                    for lo, hi in ranges if min(hi, mine[1]) > max(lo, mine[0])]
+        assert seen["sends"] == expected, rank
