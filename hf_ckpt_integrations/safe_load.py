@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 from .errors import CheckpointError, UnsafeCheckpointError
+from .formats.dtypes import SIZES as DTYPE_SIZES, STORAGE_CLASSES, TORCH_NAMES
 
 __all__ = ["TensorRef", "StorageRef", "FragmentAddress", "Opaque", "Record", "record_type", "TORCH_GLOBALS",
            "TORCH_TENSOR_ALLOWED", "load", "loads",
@@ -51,17 +52,6 @@ MAX_DEPTH = 100
 MAX_NDIM = 64
 _MAX_KEY_LEN = 16  # a tuple used as a dict key or set element: this many atoms at most
 
-# safetensors dtype names and element sizes; torch storage classes map onto them.
-DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-               "U8": 1, "BOOL": 1}
-_STORAGE_DTYPES = {
-    "DoubleStorage": "F64", "FloatStorage": "F32", "HalfStorage": "F16", "BFloat16Storage": "BF16",
-    "LongStorage": "I64", "IntStorage": "I32", "ShortStorage": "I16", "CharStorage": "I8",
-    "ByteStorage": "U8", "BoolStorage": "BOOL", "UntypedStorage": "U8",
-}
-_TORCH_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-                 "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
-                 "bool": "BOOL"}
 
 
 @dataclass(frozen=True)
@@ -310,8 +300,8 @@ _ALLOWED = {
                      "_rebuild_parameter_with_state": _rebuild_parameter},
     "torch._tensor": {"_rebuild_from_type_v2": _rebuild_from_type_v2},
     "torch": {"Size": _guarded_size, "Tensor": "Tensor", "device": _device,
-              **{k: _DtypeMarker(v) for k, v in _STORAGE_DTYPES.items()},
-              **{k: _DtypeMarker(v) for k, v in _TORCH_DTYPES.items()}},
+              **{k: _DtypeMarker(v) for k, v in STORAGE_CLASSES.items()},
+              **{v: _DtypeMarker(k) for k, v in TORCH_NAMES.items()}},
     "torch.nn.parameter": {"Parameter": "Parameter"},
     "torch.storage": {"UntypedStorage": _DtypeMarker("U8")},
     "argparse": {"Namespace": Opaque},
