@@ -289,7 +289,7 @@ def _guarded_size(dims=()):
 
 
 # torch.Size and the torch dtypes (``torch.float32``...): every torch pickle spells them this way.
-TORCH_GLOBALS = {"Size": _guarded_size, **{k: _DtypeMarker(v) for k, v in _TORCH_DTYPES.items()}}
+TORCH_GLOBALS = {"Size": _guarded_size, **{v: _DtypeMarker(k) for k, v in TORCH_NAMES.items()}}
 
 # module -> name -> stand-in. Anything not listed here is refused.
 _ALLOWED = {
