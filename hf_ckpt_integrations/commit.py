@@ -30,7 +30,6 @@ import contextlib
 import errno
 import json
 import os
-import re
 import shutil
 import signal
 import stat
@@ -38,6 +37,7 @@ import sys
 from typing import Iterable, List, Optional
 
 from .errors import DestinationError
+from .formats.names import SAVED_WEIGHTS_RE
 from .guards import check_destination
 
 __all__ = ["CommitStrategy", "SiblingSwap", "MergeIntoCheckpoint", "DirLock", "fsync_dir", "disk_error",
@@ -49,8 +49,7 @@ LOCK_SUFFIX = ".hfckpt-lock"
 STAGING_NAME = ".hfckpt-tmp-weights"
 _JOURNAL = ".hfckpt-commit.json"
 # Weight files save_pretrained / Accelerate may have written (replaced as a whole set, never mixed).
-WEIGHT_FILE_RE = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
-                            r"pytorch_model(-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.json)$")
+WEIGHT_FILE_RE = SAVED_WEIGHTS_RE
 
 
 def fsync_dir(path) -> None:

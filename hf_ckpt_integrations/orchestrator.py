@@ -34,19 +34,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from huggingface_hub import split_state_dict_into_shards_factory
-
 from .commit import CommitStrategy, disk_error
 from .errors import CheckpointError, DestinationError
+from .formats import names
+from .formats.dtypes import SIZES
+from .formats.names import BIN_INDEX as BIN_INDEX_NAME, BIN_PATTERN, SAFETENSORS_INDEX, SAFETENSORS_PATTERN
 from .plan import TensorPlan
-from .writer import (MAX_SHARD_SIZE, SAFETENSORS_FILENAME_PATTERN, INDEX_NAME, OutTensor, progress_bar, shard_order,
-                     write_index, write_shard)
+from .writer import MAX_SHARD_SIZE, OutTensor, progress_bar, shard_order, write_shard
 
 __all__ = ["WriteError", "Comm", "TorchComm", "Assignment", "assign", "write", "live_out_tensors", "BIN_PATTERN",
            "BIN_INDEX_NAME"]
-
-BIN_PATTERN = "pytorch_model{suffix}.bin"
-BIN_INDEX_NAME = "pytorch_model.bin.index.json"
 
 
 class WriteError(DestinationError):
@@ -130,8 +127,8 @@ class Assignment:
     _writer: Dict[str, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
-        for (f, names), r in zip(self.shards, self.ranks):
-            for n in names:
+        for (f, members), r in zip(self.shards, self.ranks):
+            for n in members:
                 self.tensor_to_file[n] = f
                 self._writer[n] = r
 
@@ -148,10 +145,10 @@ class Assignment:
 
 def assign(tensors: Sequence[OutTensor], max_shard_size, world: int, *, fmt: str = "safetensors") -> Assignment:
     """Split ``tensors`` (in their order) as ``save_pretrained`` does; shard ``i`` goes to rank ``i % world``."""
-    pattern = SAFETENSORS_FILENAME_PATTERN if fmt == "safetensors" else BIN_PATTERN
-    split = split_state_dict_into_shards_factory({t.name: t for t in tensors}, get_storage_size=lambda t: t.nbytes,
-                                                 filename_pattern=pattern, max_shard_size=max_shard_size)
-    shards = [(f, list(names)) for f, names in split.filename_to_tensors.items()]
+    pattern = SAFETENSORS_PATTERN if fmt == "safetensors" else BIN_PATTERN
+    split = names.split_shards({t.name: t for t in tensors}, lambda t: t.nbytes, max_shard_size=max_shard_size,
+                               pattern=pattern)
+    shards = [(f, list(members)) for f, members in split.filename_to_tensors.items()]
     return Assignment(shards, [i % world for i in range(len(shards))], split.is_sharded)
 
 
@@ -246,15 +243,15 @@ def _write_staged(tensors, strategy, comm, assignment, staging, fmt, collective,
     if rank == 0:
         try:
             if assignment.sharded:
-                write_index(staging, _Split(assignment), tensors)
-                if fmt == "bin":
-                    os.replace(os.path.join(staging, INDEX_NAME), os.path.join(staging, BIN_INDEX_NAME))
+                names.write_index(staging, assignment.tensor_to_file, total_size=report["tensor_bytes"],
+                                  total_parameters=sum(t.nbytes // SIZES[t.dtype] for t in tensors),
+                                  name=SAFETENSORS_INDEX if fmt == "safetensors" else BIN_INDEX_NAME)
             extra = finish(staging, list(by_name.values())) if finish is not None else {}
-            names = sorted(os.listdir(staging))
-            strategy.commit(names)
+            staged = sorted(os.listdir(staging))
+            strategy.commit(staged)
             dst = strategy.dst
-            outcome = {**extra, "destination": dst, "files": names,
-                       "bytes_on_disk": sum(os.path.getsize(os.path.join(dst, n)) for n in names)}
+            outcome = {**extra, "destination": dst, "files": staged,
+                       "bytes_on_disk": sum(os.path.getsize(os.path.join(dst, n)) for n in staged)}
         except Exception as e:
             if world == 1:
                 raise  # write() aborts and reports it
@@ -266,19 +263,11 @@ def _write_staged(tensors, strategy, comm, assignment, staging, fmt, collective,
     return {**report, **outcome, "written_here": written, "seconds": round(time.perf_counter() - started, 3)}
 
 
-class _Split:
-    """What :func:`~.writer.write_index` reads of a ``huggingface_hub`` split."""
-
-    def __init__(self, assignment: Assignment):
-        self.tensor_to_filename = assignment.tensor_to_file
-        self.is_sharded = assignment.sharded
-
-
 def _write_local(tensors, assignment, staging, rank, world, fmt, collective, workers, quiet):
     """Write this rank's shards; with ``collective``, drain the others'. Returns ``(written, error)``;
     with more than one rank an error is caught (the message) so the collectives keep going."""
     by_name = {t.name: t for t in tensors}
-    jobs = [(f, [by_name[n] for n in names], r) for (f, names), r in zip(assignment.shards, assignment.ranks)]
+    jobs = [(f, [by_name[n] for n in members], r) for (f, members), r in zip(assignment.shards, assignment.ranks)]
     mine = [(f, ts) for f, ts, r in jobs if r == rank]
     total = sum(t.nbytes for _, ts in mine for t in ts)
     write_one = write_shard if fmt == "safetensors" else write_bin_shard
@@ -388,7 +377,7 @@ def write_bin_shard(path, tensors: Sequence[OutTensor], progress=None) -> int:
     a view of a flat buffer — seed 002); fsynced. Returns the tensor bytes written."""
     import torch
 
-    from .assemble import _torch_dtype
+    from .formats.dtypes import to_torch
 
     shard = {}
     for t in shard_order(tensors):
@@ -400,8 +389,8 @@ def write_bin_shard(path, tensors: Sequence[OutTensor], progress=None) -> int:
             pos += n
         if pos != t.nbytes:
             raise CheckpointError(f"{t.name}: produced {pos} bytes, expected {t.nbytes}; please report this")
-        shard[t.name] = (torch.frombuffer(buf, dtype=_torch_dtype(t.dtype)) if t.nbytes else
-                         torch.empty(0, dtype=_torch_dtype(t.dtype))).view(t.shape)
+        shard[t.name] = (torch.frombuffer(buf, dtype=to_torch(t.dtype)) if t.nbytes else
+                         torch.empty(0, dtype=to_torch(t.dtype))).view(t.shape)
     with open(path, "wb") as fh:
         torch.save(shard, fh)
         fh.flush()

@@ -21,7 +21,7 @@ from hf_ckpt_integrations import commit, orchestrator, writer
 from hf_ckpt_integrations.assemble import FileRange
 from hf_ckpt_integrations.commit import MergeIntoCheckpoint, SiblingSwap
 from hf_ckpt_integrations.errors import CheckpointError, DestinationError
-from hf_ckpt_integrations.orchestrator import OutTensor, WriteError, write
+from hf_ckpt_integrations.orchestrator import OutTensor, write
 from helpers import leftovers, load_safetensors
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,13 +11,14 @@ Ranks come from ``torch.distributed`` when it is initialised, never from Acceler
 (which on a CPU-only DeepSpeed launch reports one process on every rank).
 """
 
-import json
 import os
 from typing import Callable, List, Optional, Sequence
 
-from ..commit import STAGING_NAME, WEIGHT_FILE_RE, MergeIntoCheckpoint
+from ..commit import STAGING_NAME, MergeIntoCheckpoint
+from ..formats.dtypes import from_user as dtype_from_name
+from ..formats.names import SAVED_WEIGHTS_RE
+from ..formats.safetensors import floating_dtypes
 from ..orchestrator import Assignment, WriteError, default_comm, write
-from ..plan import dtype_from_name
 from ..writer import MAX_SHARD_SIZE, OutTensor, copy_config_files
 
 __all__ = ["SaveError", "rank_world", "barrier", "all_ranks_ok", "broadcast_from_0", "write_distributed",
@@ -77,7 +78,7 @@ def all_ranks_ok(error: Optional[BaseException], what: str, context: str = "") -
 
 def existing_weights(directory) -> List[str]:
     try:
-        return sorted(n for n in os.listdir(directory) if WEIGHT_FILE_RE.match(n))
+        return sorted(n for n in os.listdir(directory) if SAVED_WEIGHTS_RE.match(n))  # replaced as a whole
     except FileNotFoundError:
         return []
 
@@ -88,13 +89,7 @@ def existing_weights_dtype(directory) -> Optional[str]:
     names = [n for n in existing_weights(directory) if n.endswith(".safetensors")]
     if not names:
         return None
-    dtypes = set()
-    for n in names:
-        with open(os.path.join(directory, n), "rb") as fh:
-            size = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(size))
-        dtypes |= {v["dtype"] for k, v in header.items() if k != "__metadata__" and v["dtype"] in
-                   ("F64", "F32", "F16", "BF16")}
+    dtypes = floating_dtypes(os.path.join(directory, n) for n in names)
     return dtypes.pop() if len(dtypes) == 1 else None
 
 

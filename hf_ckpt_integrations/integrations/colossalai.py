@@ -23,6 +23,7 @@ import functools
 import logging
 from typing import Optional
 
+from ..formats.config import write_config
 from ._dist import all_ranks_ok, rank_world, write_distributed
 
 __all__ = ["install_colossalai_hooks", "save_model"]
@@ -59,12 +60,13 @@ def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, d
     max_shard_size = int(size_per_shard * _MIB) if shard else _ONE_FILE
     what = f"booster.save_model into {checkpoint}"
     # The writer assigns the shards and gives each read its writing rank (who receives each tensor).
-    report = write_distributed(live_plan(infos, module, dtype=dtype), checkpoint, max_shard_size=max_shard_size,
-                               collective=True, replace_existing=True, what=what)
+    plan = live_plan(infos, module, dtype=dtype)
+    report = write_distributed(plan, checkpoint, max_shard_size=max_shard_size, collective=True,
+                               replace_existing=True, what=what)
     error = None
     if rank_world()[0] == 0:
         try:
-            _write_config(module, checkpoint, dtype)
+            write_config(checkpoint, model=module, tensor_dtypes=[t.src_dtype for t in plan])
         except Exception as e:
             error = e
     all_ranks_ok(error, f"writing config.json into {checkpoint}")
@@ -83,24 +85,6 @@ def _check_hub_layout(module, infos) -> None:
             raise LayoutError(f"{source}: save_pretrained writes it as {name} (a Hub-layout conversion) and the "
                               "ColossalAI hook does not convert; save with the booster's own save_model, or "
                               "use transformers 4.x")
-
-
-def _write_config(module, directory, dtype: Optional[str] = None) -> None:
-    """``config.json`` as ``save_pretrained`` writes it (``architectures``, ``torch_dtype`` set)."""
-    import copy
-
-    config = getattr(module, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        config = copy.deepcopy(config)
-        config.architectures = [type(module).__name__]
-        floats = [p.dtype for p in module.parameters() if p is not None and p.is_floating_point()]
-        names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-        if dtype in names or floats:
-            config.torch_dtype = names.get(dtype) or str(floats[0]).replace("torch.", "")
-        config.save_pretrained(directory)
-        gen = getattr(module, "generation_config", None)
-        if gen is not None and hasattr(gen, "save_pretrained"):
-            gen.save_pretrained(directory)
 
 
 def install_colossalai_hooks(booster, *, dtype: Optional[str] = None):

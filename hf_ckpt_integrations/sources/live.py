@@ -38,23 +38,13 @@ import contextlib
 import math
 from typing import List, Optional
 
-from ..plan import LivePiece, TensorPlan, dtype_from_name
+from ..formats.dtypes import from_torch, from_user as dtype_from_name, to_torch
+from ..plan import LivePiece, TensorPlan
 
-__all__ = ["live_tensors", "reads_are_collective"]
-
-_ST_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-             "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+__all__ = ["live_tensors", "reads_are_collective", "own_bytes"]
 
 
-def _st_dtype(torch_dtype) -> str:
-    name = str(torch_dtype).replace("torch.", "")
-    try:
-        return _ST_NAMES[name]
-    except KeyError:
-        raise ValueError(f"tensor dtype {torch_dtype} has no safetensors name; convert it before saving") from None
-
-
-def _own_bytes(t, cast):
+def own_bytes(t, cast):
     """``t``'s own bytes (a view of a larger storage yields only its elements), as a memoryview."""
     import torch
 
@@ -86,10 +76,8 @@ def live_tensors(module, *, dtype: Optional[str] = None) -> List[TensorPlan]:
     Raises :class:`~..errors.LayoutError` where transformers' save-time conversion is not a split
     along the leading dims.
     """
-    import torch
-
     st_target = dtype_from_name(dtype)
-    cast = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(st_target)
+    cast = to_torch(st_target) if st_target else None
     state = module.state_dict(keep_vars=True)
     owners = dict(module.named_modules())
     seen = {}
@@ -108,7 +96,7 @@ def live_tensors(module, *, dtype: Optional[str] = None) -> List[TensorPlan]:
             continue  # tied: written once, under the first name (or the one save_pretrained keeps)
         seen[key] = name
         floating = t.is_floating_point()
-        out_dtype = st_target if (st_target and floating) else _st_dtype(t.dtype)
+        out_dtype = st_target if (st_target and floating) else from_torch(t.dtype)
         owner = owners.get(name.rpartition(".")[0])
         if getattr(t, "ds_is_replaced_module", False):
             shape, read = _autotp_reader(name, t, owner, cast)
@@ -131,7 +119,7 @@ def live_tensors(module, *, dtype: Optional[str] = None) -> List[TensorPlan]:
 
 def _local_reader(t, cast):
     def read(lo, hi, writer=None):
-        yield _own_bytes(_flat(t)[lo:hi], cast)
+        yield own_bytes(_flat(t)[lo:hi], cast)
     return read
 
 
@@ -145,7 +133,7 @@ def _zero3_reader(param, cast, p2p):
 
         if param.ds_status == ZeroParamStatus.AVAILABLE:
             # Persistent (or already gathered): whole on every rank; no rank exchanges anything.
-            yield _own_bytes(_flat(param.data)[lo:hi], cast)
+            yield own_bytes(_flat(param.data)[lo:hi], cast)
             return
         if _streamable(param):
             if p2p and writer is not None and _in_group(param.ds_process_group, writer):
@@ -157,7 +145,7 @@ def _zero3_reader(param, cast, p2p):
 
         # modifier_rank=None: read-only gather; re-partitioned (memory freed) on exit.
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-            yield _own_bytes(_flat(param.data)[lo:hi], cast)
+            yield own_bytes(_flat(param.data)[lo:hi], cast)
 
     return read
 
@@ -213,7 +201,7 @@ def _partitions(param, cast, lo, hi):
         work.wait()
         a, b = max(lo, r * n) - r * n, min(hi, (r + 1) * n) - r * n
         if b > a:
-            yield _own_bytes(t[a:b], cast)
+            yield own_bytes(t[a:b], cast)
 
 
 def _in_group(group, rank) -> bool:
@@ -273,7 +261,7 @@ def _partitions_to(param, cast, lo, hi, writer):
             work.wait()
         nxt = start(i + 1) if i + 1 < len(owners) else None
         if t.numel():
-            yield _own_bytes(t, cast)
+            yield own_bytes(t, cast)
 
 
 def _autotp_full_shape(name, param, owner):
@@ -307,6 +295,6 @@ def _autotp_reader(name, param, owner, cast):
 
     def read(lo, hi, writer=None):
         with gathered() as full:
-            yield _own_bytes(_flat(full)[lo:hi], cast)
+            yield own_bytes(_flat(full)[lo:hi], cast)
 
     return full_shape, read
