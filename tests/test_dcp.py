@@ -259,3 +259,35 @@ def test_trainer_fsdp2_both_checkpoints_export(engine_ckpt, tmp_path):
     reference = load_safetensors(root / "reference.safetensors")
     assert set(state) >= set(reference)
     assert any(not torch.equal(state[k], reference[k]) for k in reference)
+
+
+# ---------------------------------------------------------------- save time under FSDP2
+
+
+def test_accelerate_save_model_under_fsdp2_writes_a_complete_hf_dir(engine_ckpt):
+    import json
+
+    root = engine_ckpt("fsdp2-accelerate-hooks")
+    saved = root / "saved"
+    names = sorted(p.name for p in saved.iterdir())
+    assert names == ["config.json", "generation_config.json", "model-00001-of-00003.safetensors",
+                     "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
+                     "model.safetensors.index.json"], names
+    assert json.loads((saved / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert_bitwise_equal(load_hf_state(saved, torch.float32), load_safetensors(root / "reference.safetensors"))
+
+
+def test_trainer_callback_under_fsdp2_makes_every_checkpoint_loadable_and_resume_works(engine_ckpt):
+    root = engine_ckpt("fsdp2-trainer-cb")
+    reference = load_safetensors(root / "reference.safetensors")
+    states = {}
+    for step in (2, 4):
+        ckpt = root / "run" / f"checkpoint-{step}"
+        assert (ckpt / "config.json").is_file() and (ckpt / "pytorch_model_fsdp_0").is_dir()
+        states[step] = load_hf_state(ckpt, torch.float32)
+    assert_bitwise_equal(states[4], reference)
+    assert any(not torch.equal(states[2][k], reference[k]) for k in reference)
+    # The same checkpoint exports offline to the same bytes (the DCP files stay the source of truth).
+    resumed = engine_ckpt("fsdp2-trainer-cb-resume")
+    assert not (resumed / "run" / "checkpoint-2").exists()  # resumed at step 2: only step 4 saved
+    assert_bitwise_equal(load_hf_state(resumed / "run" / "checkpoint-4", torch.float32), states[4])

@@ -261,6 +261,21 @@ def _commit(staging, dst, split, tensors, config_dir, replace_existing, fmt="saf
     fsync_dir(dst)
 
 
+def write_config_on_rank0(module, directory, tensors=None, *, keep_existing: bool = False) -> None:
+    """Rank 0 writes config.json (with the dtype of ``tensors``, as save_pretrained records it); a
+    failure there raises on every rank. ``keep_existing``: rank 0 leaves a config.json already there
+    (only rank 0 looks: every rank takes part in the collective whatever it finds). Collective."""
+    from ..formats.config import write_config
+
+    error = None
+    if rank_world()[0] == 0 and not (keep_existing and os.path.isfile(os.path.join(directory, "config.json"))):
+        try:
+            write_config(directory, model=module, tensor_dtypes=[t.dtype for t in tensors or ()])
+        except Exception as e:
+            error = e
+    all_ranks_ok(error, f"writing config.json into {directory}")
+
+
 def consolidate_checkpoint(checkpoint_dir, *, tag: Optional[str] = None, dtype: Optional[str] = None,
                            max_shard_size=MAX_SHARD_SIZE, existing: str = "auto", config: Optional[str] = None,
                            what: Optional[str] = None) -> dict:
