@@ -6,7 +6,8 @@ A **source** is a module of this package (``sources/<name>.py``) exposing:
 - ``LOOKS_FOR`` — what it recognises, in words (listed when no source matches);
 - ``MEMORY_NAMES`` — True when its tensor names are the model's in-memory names (the Hub-layout
   pass and the tied-weight policy then apply), False when they are already what
-  ``save_pretrained`` wrote;
+  ``save_pretrained`` wrote; optionally ``TIED_UNDER_BOTH_NAMES`` (its state dicts hold a tied
+  weight under both names: :func:`~.passes.tie_embeddings` runs first);
 - ``detect(path, tag) -> bool`` — reads names only (never a pickle): does this source claim
   ``path``? A claim is final: a damaged checkpoint of a source's kind is refused by its
   ``plan`` with the precise reason, rather than offered to the next source;
@@ -25,14 +26,15 @@ from typing import Optional
 from ..errors import CheckpointError
 from ..formats.names import CONFIG_NAME
 from ..plan import ExportPlan, check_plan, decide_dtypes
-from . import deepspeed, hf_dir, hub_layout, universal
-from .passes import drop_tied_aliases, find_config_dir
+from . import dcp, deepspeed, hf_dir, hub_layout, universal
+from .passes import drop_tied_aliases, find_config_dir, tie_embeddings
 
 __all__ = ["SOURCES", "find_source", "plan_with"]
 
 # In order: the first whose detect() claims the path reads it.
 SOURCES = (
     universal,  # ds_to_universal output (the directory itself, or the tag naming one)
+    dcp,  # torch DCP (FSDP, Accelerate save_state, Trainer checkpoint-N under FSDP): before HF weights beside it
     hf_dir,  # an HF directory, unless it also holds a DeepSpeed checkpoint (a Trainer checkpoint-N)
     deepspeed,  # a DeepSpeed save dir, tag dir or Trainer checkpoint-N
 )
@@ -62,6 +64,8 @@ def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[s
         plan.notes.append("no config.json found next to the checkpoint: pass --config DIR, or the "
                           "exported directory will not load with from_pretrained")
     elif source.MEMORY_NAMES:
+        if getattr(source, "TIED_UNDER_BOTH_NAMES", False):
+            tie_embeddings(plan)
         drop_tied_aliases(plan)
         hub_layout.convert_plan(plan)
     decide_dtypes(plan, dtype)
