@@ -130,3 +130,15 @@ def test_row_slices_keep_the_byte_copy_path(tmp_path):
     with MappedFiles() as mf:
         got = list(iter_bytes(t, "F32", mf, ranges=True))
     assert all(isinstance(r, FileRange) for r in got) and [r.offset for r in got] == [48, 0]
+
+
+def test_inspect_json_shows_chunks_and_the_decided_dtype():
+    from hf_ckpt_integrations.plan import decide_dtypes
+
+    t = TensorPlan("w", (4, 6), "F32", [[Piece("a", 0, 12, "F32")], [Piece("b", 0, 12, "F32")]], cat_dim=1,
+                   part_shapes=[(4, 3), (4, 3)])
+    plan = decide_dtypes(ExportPlan("x", "src", None, None, 1, 2, "tp", [t], dtypes={"master": "F32"}), "bf16")
+    (row,) = plan.summary()["tensors"]
+    assert row["chunks"] == [{"offsets": [0, 0], "sizes": [4, 3], "pieces": 1},
+                             {"offsets": [0, 3], "sizes": [4, 3], "pieces": 1}]
+    assert row["out_dtype"] == "BF16" and plan.summary()["out_dtype"] == "BF16"
