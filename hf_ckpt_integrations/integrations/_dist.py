@@ -27,7 +27,8 @@ from ..writer import (INDEX_NAME, MAX_SHARD_SIZE, OutTensor, copy_config_files, 
                       split_shards, write_index, write_shard)
 
 __all__ = ["SaveError", "rank_world", "barrier", "all_ranks_ok", "broadcast_from_0", "write_distributed",
-           "existing_weights", "existing_weights_dtype", "remove_weights", "consolidate_checkpoint", "STAGING_NAME"]
+           "existing_weights", "existing_weights_dtype", "remove_weights", "consolidate_checkpoint", "STAGING_NAME",
+           "split_files"]
 
 STAGING_NAME = ".hfckpt-tmp-weights"
 
@@ -162,7 +163,7 @@ def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_S
     staging = os.path.join(dst, STAGING_NAME)
     if fmt not in ("safetensors", "bin"):
         raise ValueError(f"fmt={fmt!r}; use 'safetensors' or 'bin'")
-    split = _split(tensors, max_shard_size, fmt)
+    split = split_files(tensors, max_shard_size, fmt)
     by_name = {t.name: t for t in tensors}
     error = None
     if rank == 0:
@@ -208,7 +209,8 @@ def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_S
             "written_here": written, "sharded": split.is_sharded}
 
 
-def _split(tensors, max_shard_size, fmt):
+def split_files(tensors, max_shard_size, fmt):
+    """The shard split :func:`write_distributed` makes (``fmt``: "safetensors" or "bin")."""
     if fmt == "safetensors":
         return split_shards(list(tensors), max_shard_size)
     return _split_names({t.name: t for t in tensors}, lambda t: t.nbytes, max_shard_size=max_shard_size,

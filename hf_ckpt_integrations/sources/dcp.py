@@ -27,7 +27,14 @@ from ..errors import CheckpointError, LayoutError, one_line
 from ..plan import ExportPlan, Piece, TensorPlan
 from ..safe_load import Record, record_type, short_repr
 
-__all__ = ["ALLOWED", "find_dcp_dir", "read_metadata", "build_plan", "DcpTensor"]
+__all__ = ["ALLOWED", "find_dcp_dir", "read_metadata", "build_plan", "DcpTensor", "NAME", "LOOKS_FOR",
+           "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "detect", "config_candidates", "plan"]
+
+# The source protocol (sources/registry.py).
+NAME = "torch-dcp"
+LOOKS_FOR = "a torch DCP checkpoint (.metadata + *.distcp, or pytorch_model_fsdp_0/ holding one)"
+MEMORY_NAMES = True  # the model's own parameter names: the Hub-layout pass applies
+TIED_UNDER_BOTH_NAMES = True  # FSDP state dicts hold a tied weight under both names (passes.tie_embeddings)
 
 METADATA = ".metadata"
 # Where Accelerate's save_state / save_model and the Trainer put the model's DCP checkpoint.
@@ -81,6 +88,21 @@ class DcpTensor:
 
     def __init__(self, dtype: str, size: Tuple[int, ...], chunks: List[Tuple[Tuple[int, ...], Tuple[int, ...]]]):
         self.dtype, self.size, self.chunks = dtype, size, chunks
+
+
+def detect(path: str, tag: Optional[str] = None) -> bool:
+    """A DCP checkpoint in ``path`` or its ``pytorch_model_fsdp_0/`` (no tag: DCP has none)."""
+    return tag is None and find_dcp_dir(path) is not None
+
+
+def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
+    return [path, find_dcp_dir(path), os.path.dirname(os.path.abspath(path))]
+
+
+def plan(path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None, config_dir: Optional[str] = None,
+         tp_rules=None) -> ExportPlan:
+    """The registry's entry point: :func:`build_plan` of the DCP directory ``path`` is or holds."""
+    return build_plan(find_dcp_dir(path), config_dir=config_dir, source=os.path.abspath(path))
 
 
 def find_dcp_dir(src: str) -> Optional[str]:
@@ -298,33 +320,3 @@ def build_plan(dcp_dir: str, *, config_dir: Optional[str] = None, source: Option
     return ExportPlan(engine="torch-dcp", source=source or dcp_dir, tag=None, stage=None, dp_size=shards, mp_size=1,
                       mp_axis="none", tensors=out, dtypes={"module": dtypes.pop()} if len(dtypes) == 1 else {},
                       config_dir=config_dir, files=files, notes=notes)
-
-
-# Input-embedding names of the transformers families whose output embedding save_pretrained ties to it.
-_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight", "shared.weight",
-               "embeddings.weight")
-
-
-def tie_aliases(plan: ExportPlan) -> None:
-    """FSDP state dicts hold tied weights under both names (``lm_head.weight`` and the input
-    embedding): when config.json ties them, write the embedding once, as ``save_pretrained`` does,
-    and check the other copy is byte-identical to it (a replica, never written)."""
-    from ..guards import read_config
-
-    cfg = read_config(plan.config_dir)
-    tied = cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", True)
-                   if isinstance(cfg.get("text_config"), dict) else True)
-    by_name = {t.name: t for t in plan.tensors}
-    head = by_name.get("lm_head.weight")
-    if tied is not True or head is None:
-        return
-    embeds = [t for t in plan.tensors if t.name.endswith(_EMBEDDINGS) and t.shape == head.shape
-              and t.src_dtype == head.src_dtype]
-    if len(embeds) != 1:
-        return
-    emb = embeds[0]
-    if len(emb.parts) == 1 and len(head.parts) == 1:
-        emb.replicas.append([p for p in head.parts[0]])
-    plan.tensors = [t for t in plan.tensors if t is not head]
-    plan.aliases[head.name] = emb.name
-    plan.notes.append(f"config.json ties the word embeddings: {head.name} written once, as {emb.name}")
