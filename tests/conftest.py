@@ -92,10 +92,10 @@ CASES = {
     # Accelerate save_state, the Trainer's checkpoint-N.
     **{f"fsdp2-{m}": ("fsdp_train.py", 2, ["--mode", m]) for m in ("plain", "accelerate", "trainer")},
     # FSDP2 save-time: install_accelerate_hooks + save_model; the Trainer callback, then a resumed run.
-    "fsdp2-accelerate-hooks": ("fsdp_train.py", 2, ["--mode", "accelerate-hooks"]),
-    "fsdp2-trainer-cb": ("fsdp_train.py", 2, ["--mode", "trainer-cb"]),
-    "fsdp2-trainer-cb-resume": ("fsdp_train.py", 2, ["--mode", "trainer-cb", "--resume-from",
-                                                     "fsdp2-trainer-cb/run/checkpoint-2"]),
+    "fsdp2-accelerate-hooks": ("fsdp_savetime.py", 2, ["--mode", "accelerate-hooks"]),
+    "fsdp2-trainer-cb": ("fsdp_savetime.py", 2, ["--mode", "trainer-cb"]),
+    "fsdp2-trainer-cb-resume": ("fsdp_savetime.py", 2, ["--mode", "trainer-cb", "--resume-from",
+                                                        "fsdp2-trainer-cb/run/checkpoint-2"]),
 }
 
 
@@ -111,6 +111,8 @@ def _cache_key(script: str) -> str:
     paths = [ENGINES / script, ENGINES / "common.py"]
     if "import families" in (ENGINES / script).read_text():
         paths.append(ENGINES / "families.py")
+    if "import fsdp_train" in (ENGINES / script).read_text():
+        paths.append(ENGINES / "fsdp_train.py")
     if any(CASES[name][0] == script for name in ACCELERATE):
         paths += sorted(ACCELERATE_CONFIGS.iterdir())
     if "hf_ckpt_integrations" in (ENGINES / script).read_text():

@@ -9,9 +9,9 @@
   ``accelerator.save_state(OUT/state)``: ``pytorch_model_fsdp_0/`` (state dict nested under
   ``model``) and ``optimizer_0/``.
 - ``trainer``: a ``Trainer`` under FSDP2 saving ``checkpoint-2`` and ``checkpoint-4``.
-- ``accelerate-hooks``: ``install_accelerate_hooks`` then ``accelerator.save_model(OUT/saved)``.
-- ``trainer-cb``: ``trainer`` with ``ConsolidatedCheckpointCallback`` (``--resume-from``: resume a
-  run from its ``checkpoint-N`` first).
+
+The save-time modes (the package's hooks) are in ``fsdp_savetime.py``, so these cached runs do not
+depend on the package's code.
 
 Every mode writes the reference the engine itself reports, at the last save:
 ``OUT/reference.safetensors`` (``get_model_state_dict(full_state_dict=True)``), the HF config in
@@ -116,15 +116,13 @@ def _plugin():
                                           reshard_after_forward=True, cpu_ram_efficient_loading=False)
 
 
-def run_accelerate(out: Path, hooks=False):
+def run_accelerate(out: Path, hooks=None):
     from accelerate import Accelerator
 
     plugin = _plugin()
     accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
     if hooks:
-        from hf_ckpt_integrations import install_accelerate_hooks
-
-        install_accelerate_hooks(accelerator)
+        hooks(accelerator)
     _force_fsdp(accelerator.state, plugin)
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -141,7 +139,7 @@ def run_accelerate(out: Path, hooks=False):
     _reference(model, out)
 
 
-def run_trainer(out: Path, callback=False, resume_from=None):
+def run_trainer(out: Path, callback=None, resume_from=None):
     from transformers import Trainer, TrainingArguments
 
     plugin = _plugin()
@@ -160,11 +158,7 @@ def run_trainer(out: Path, callback=False, resume_from=None):
         fsdp="full_shard", fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT",
                                         "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                                         "reshard_after_forward": True, "cpu_ram_efficient_loading": False})
-    callbacks = []
-    if callback:
-        from hf_ckpt_integrations import ConsolidatedCheckpointCallback
-
-        callbacks.append(ConsolidatedCheckpointCallback(max_shard_size="300KB"))
+    callbacks = [callback] if callback else []
     trainer = FsdpTrainer(model=_model(), args=targs, train_dataset=RandomTokens(), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     _reference(trainer.model_wrapped, out)
@@ -173,18 +167,13 @@ def run_trainer(out: Path, callback=False, resume_from=None):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
-    p.add_argument("--mode", choices=("plain", "accelerate", "accelerate-hooks", "trainer", "trainer-cb"),
-                   required=True)
-    p.add_argument("--resume-from", type=Path, help="trainer-cb: resume from this checkpoint-N (relative to "
-                   "the case directory's parent)")
+    p.add_argument("--mode", choices=("plain", "accelerate", "trainer"), required=True)
     args = p.parse_args()
-    if args.mode == "plain":
-        run_plain(args.out)
-    elif args.mode.startswith("accelerate"):
-        run_accelerate(args.out, hooks=args.mode == "accelerate-hooks")
-    else:
-        resume = args.out.parent / args.resume_from if args.resume_from else None
-        run_trainer(args.out, callback=args.mode == "trainer-cb", resume_from=resume)
+    {"plain": run_plain, "accelerate": run_accelerate, "trainer": run_trainer}[args.mode](args.out)
+    finish()
+
+
+def finish():
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
