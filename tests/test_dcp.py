@@ -86,14 +86,18 @@ def test_synthetic_uneven_and_empty_shards_and_2d_split_export_bitwise(tmp_path)
     b = torch.randn(3, generator=g)  # 4 ranks: 1, 1, 1, 0 (an empty last shard)
     c = torch.randn(6, 8, generator=g).to(torch.bfloat16)  # 2-D mesh: dim 0 over 2, dim 1 over 2
     grid = [((r, k), (3, 4)) for k in (4, 0) for r in (3, 0)]  # recorded out of order on purpose
+    d = torch.randn(2, 5, 6, generator=g)  # split along dims 1 and 2 (uneven), never dim 0
+    blocks = [((0, o1, o2), (2, s1, s2)) for o1, s1 in ((0, 3), (3, 2)) for o2, s2 in ((0, 4), (4, 2))]
     s = torch.tensor(3.5)
     src = write_dcp(tmp_path / "dcp", {"a": (a, _dim0(a, 4)), "b": (b, _dim0(b, 4)), "c": (c, grid),
-                                       "s": (s, [((), ())])},
+                                       "d": (d, blocks), "s": (s, [((), ())])},
                     extra={"optimizer.param_groups.0.lr": None})
     out = _export(src, tmp_path / "out")
-    assert set(out) == {"a", "b", "c", "s"}
-    for name, want in {"a": a, "b": b, "c": c, "s": s}.items():
+    assert set(out) == {"a", "b", "c", "d", "s"}
+    for name, want in {"a": a, "b": b, "c": c, "d": d, "s": s}.items():
         assert out[name].dtype == want.dtype and torch.equal(out[name], want), name
+    v = hf_ckpt("verify", tmp_path / "out", "--against", src)
+    assert v.returncode == 0, v.stdout + v.stderr
     info = hf_ckpt("inspect", src, "--json")
     assert info.returncode == 0 and '"torch-dcp"' in info.stdout, info.stderr
 
@@ -142,7 +146,7 @@ def test_overlapping_chunks_are_refused(tmp_path):
 def test_missing_chunk_is_refused(tmp_path):
     src = _two_chunk_dcp(tmp_path)
     _mutate_metadata(src, lambda md: md.state_dict_metadata["w"].chunks.pop())
-    line = _refused(tmp_path, src, "uncovered")
+    line = _refused(tmp_path, src, "a gap")
     assert ".metadata" in line
 
 
