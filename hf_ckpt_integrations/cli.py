@@ -130,24 +130,15 @@ def export_command_parser(subparsers=None):
 
 
 def export_command(args) -> int:
-    from .sources import build_plan
-    from .writer import check_max_shard_size, check_workers, write_plan
-
-    check_max_shard_size(args.max_shard_size)  # before reading the checkpoint
-    check_workers(args.workers)
-    plan = build_plan(args.src, tag=args.tag, dtype=args.dtype, config=args.config, tp_rules=args.tp_rule)
-    from .parallel import world_from_env, write_plan_parallel
+    from .api import export_checkpoint
 
     # Under `torchrun --nproc_per_node N -m hf_ckpt_integrations export ...` the ranks split the shards.
-    if world_from_env() > 1:
-        report = write_plan_parallel(plan, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                                     overwrite=args.overwrite, quiet=args.quiet)
-    else:
-        report = write_plan(plan, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                            overwrite=args.overwrite, quiet=args.quiet, workers=args.workers)
+    report = export_checkpoint(args.src, args.dst, tag=args.tag, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                               config=args.config, overwrite=args.overwrite, quiet=args.quiet, tp_rules=args.tp_rule,
+                               workers=args.workers)
     if os.environ.get("RANK", "0") != "0":
         return EXIT_OK
-    for note in [n for n in plan.notes if "config.json" in n] + report.get("warnings", []):
+    for note in [n for n in report.get("notes", []) if "config.json" in n] + report.get("warnings", []):
         print(f"warning: {one_line(note)}", file=sys.stderr)
     if not args.quiet:
         print(f"wrote {report['destination']}: {report['shards']} shard(s), {report['tensor_bytes']:,} tensor bytes, "

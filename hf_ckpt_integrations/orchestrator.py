@@ -180,7 +180,7 @@ def write(tensors: Sequence[OutTensor], strategy: Optional[CommitStrategy], *, c
         if bind is not None:
             raise ValueError("pass either a live plan or bind, not both")
         plans = list(tensors)
-        tensors = [OutTensor(t.name, t.src_dtype, tuple(t.shape), None) for t in plans]  # sizes only
+        tensors = [OutTensor(t.name, _dtype(t), tuple(t.shape), None) for t in plans]  # sizes only
 
         def bind(assignment):
             return live_out_tensors(plans, assignment)
@@ -358,8 +358,13 @@ def live_out_tensors(plans: Sequence[TensorPlan], assignment: Assignment) -> Lis
             for _ in chunks():
                 pass
 
-        out.append(_LiveOut(t.name, t.src_dtype, tuple(t.shape), chunks, drain_))
+        out.append(_LiveOut(t.name, _dtype(t), tuple(t.shape), chunks, drain_))
     return out
+
+
+def _dtype(t: TensorPlan) -> str:
+    """What a live read yields: the plan's output dtype (a live source casts while reading)."""
+    return t.out_dtype or t.src_dtype
 
 
 def drain(t: OutTensor) -> None:

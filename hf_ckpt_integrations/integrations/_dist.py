@@ -22,7 +22,8 @@ from ..orchestrator import Assignment, WriteError, default_comm, write
 from ..writer import MAX_SHARD_SIZE, OutTensor, copy_config_files
 
 __all__ = ["SaveError", "rank_world", "barrier", "all_ranks_ok", "broadcast_from_0", "write_distributed",
-           "existing_weights", "existing_weights_dtype", "remove_weights", "consolidate_checkpoint", "STAGING_NAME"]
+           "existing_weights", "existing_weights_dtype", "remove_weights", "consolidate_checkpoint", "STAGING_NAME",
+           "write_config_on_rank0"]
 
 _SAVE_CONSEQUENCE = "the destination was left without the new weights: fix the cause and save again"
 
@@ -123,6 +124,21 @@ def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_S
     return {"files": report["shard_files"], "tensor_bytes": report["tensor_bytes"],
             "written_here": report["written_here"], "sharded": report["sharded"],
             "shards_by_rank": report["shards_by_rank"]}
+
+
+def write_config_on_rank0(module, directory, tensors=None, *, keep_existing: bool = False) -> None:
+    """Rank 0 writes config.json (with the dtype of ``tensors``, as save_pretrained records it); a
+    failure there raises on every rank. ``keep_existing``: rank 0 leaves a config.json already there
+    (only rank 0 looks: every rank takes part in the collective whatever it finds). Collective."""
+    from ..formats.config import write_config
+
+    error = None
+    if rank_world()[0] == 0 and not (keep_existing and os.path.isfile(os.path.join(directory, "config.json"))):
+        try:
+            write_config(directory, model=module, tensor_dtypes=[t.dtype for t in tensors or ()])
+        except Exception as e:
+            error = e
+    all_ranks_ok(error, f"writing config.json into {directory}")
 
 
 def consolidate_checkpoint(checkpoint_dir, *, tag: Optional[str] = None, dtype: Optional[str] = None,

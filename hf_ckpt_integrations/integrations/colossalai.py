@@ -66,7 +66,7 @@ def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, d
     error = None
     if rank_world()[0] == 0:
         try:
-            write_config(checkpoint, model=module, tensor_dtypes=[t.src_dtype for t in plan])
+            write_config(checkpoint, model=module, tensor_dtypes=[t.out_dtype or t.src_dtype for t in plan])
         except Exception as e:
             error = e
     all_ranks_ok(error, f"writing config.json into {checkpoint}")

@@ -243,5 +243,6 @@ def live_plan(infos: Sequence[TensorInfo], module, *, dtype: Optional[str] = Non
                 dist.send(_to_bytes_tensor(local), dst=writer)
 
         numel = math.prod(info.shape)
-        out.append(TensorPlan(info.name, tuple(info.shape), out_dtype, [[LivePiece(read, 0, numel)]], kind="live"))
+        out.append(TensorPlan(info.name, tuple(info.shape), out_dtype, [[LivePiece(read, 0, numel)]], kind="live",
+                              out_dtype=out_dtype))
     return out
