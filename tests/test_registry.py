@@ -74,9 +74,6 @@ def test_a_new_source_is_one_registry_line_and_gets_every_pass(tmp_path, monkeyp
     assert plan.out_dtype == "F32" and plan.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
 
 
-# Pending: sources/live.py still hands the writer OutTensors (writer.py) until the writer
-# orchestrator of issue 15 (write side) makes live sources produce plans; remove it then.
-_PENDING = {("sources/live.py", "writer")}
 _LATER = {"writer", "verify", "lean", "parallel", "integrations", "cli", "api"}
 
 
@@ -94,8 +91,7 @@ def test_sources_import_no_later_stage_and_nothing_imports_a_private_helper():
         for node, module, names in _imports(path):
             top = module.split(".")[0] if node.level == (2 if rel.startswith(("sources/", "formats/",
                                                                                    "integrations/")) else 1) else ""
-            if rel.startswith("sources/") and node.level == 2 and (top in _LATER or set(names) & _LATER) \
-                    and (rel, top) not in _PENDING:
+            if rel.startswith("sources/") and node.level == 2 and (top in _LATER or set(names) & _LATER):
                 bad.append(f"{rel}: imports {module or names} (a later stage)")
             private = [n for n in names if n.startswith("_") and not n.startswith("__")]
             if private:
