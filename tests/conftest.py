@@ -95,6 +95,8 @@ CASES = {
     # torch DCP under FSDP2 (tests/test_dcp.py): plain fully_shard + dcp.save (vocab 1001 over 2 ranks),
     # Accelerate save_state, the Trainer's checkpoint-N.
     **{f"fsdp2-{m}": ("fsdp_train.py", 2, ["--mode", m]) for m in ("plain", "accelerate", "trainer")},
+    # FSDP2 saved through torch's HuggingFaceStorageWriter (save_distributed: per-rank safetensors).
+    "fsdp2-hf-writer": ("fsdp_hf_writer.py", 2, []),
     # FSDP2 save-time: install_accelerate_hooks + save_model; the Trainer callback, then a resumed run.
     "fsdp2-accelerate-hooks": ("fsdp_savetime.py", 2, ["--mode", "accelerate-hooks"]),
     "fsdp2-trainer-cb": ("fsdp_savetime.py", 2, ["--mode", "trainer-cb"]),

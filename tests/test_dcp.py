@@ -213,7 +213,8 @@ def test_hostile_chunk_archive_is_refused_unexecuted(tmp_path):
 
 # ---------------------------------------------------------------- real engine runs
 
-ENGINE_CASES = {"fsdp2-plain": "dcp", "fsdp2-accelerate": "state", "fsdp2-trainer": "run/checkpoint-4"}
+ENGINE_CASES = {"fsdp2-plain": "dcp", "fsdp2-accelerate": "state", "fsdp2-trainer": "run/checkpoint-4",
+                "fsdp2-hf-writer": "hf"}
 
 
 @pytest.mark.parametrize("case", sorted(ENGINE_CASES))
@@ -252,6 +253,14 @@ def test_engine_inspect_describes_the_dcp_checkpoint(engine_ckpt):
     assert any("chunks per tensor: 2" in n for n in info["notes"]), info["notes"]
     assert any("optimizer" in n for n in info["notes"]), info["notes"]
     assert "optimizer" not in " ".join(t["name"] for t in info["tensors"])
+
+
+def test_hf_writer_with_a_rank_file_missing_is_refused(engine_ckpt, tmp_path):
+    src = tmp_path / "hf"
+    shutil.copytree(engine_ckpt("fsdp2-hf-writer") / "hf", src)
+    (src / "shard-00001-model-00001-of-00001.safetensors").unlink()
+    line = _refused(tmp_path, src, "a gap")
+    assert "shard is missing" in line
 
 
 def test_trainer_fsdp2_both_checkpoints_export(engine_ckpt, tmp_path):

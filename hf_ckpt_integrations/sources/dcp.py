@@ -19,8 +19,10 @@ layout (a 2-D FSDP x TP mesh) is assembled from its chunks. Optimizer state and 
 entries are skipped.
 """
 
+import json
 import math
 import os
+import re
 from typing import Dict, List, Optional, Tuple
 
 from .. import safe_load
@@ -33,7 +35,8 @@ __all__ = ["ALLOWED", "find_dcp_dir", "read_metadata", "build_plan", "DcpTensor"
 
 # The source protocol (sources/registry.py).
 NAME = "torch-dcp"
-LOOKS_FOR = "a torch DCP checkpoint (.metadata + *.distcp, or pytorch_model_fsdp_0/ holding one)"
+LOOKS_FOR = ("a torch DCP checkpoint (.metadata + *.distcp, or pytorch_model_fsdp_0/ holding one; "
+             "HuggingFaceStorageWriter's shard-*-model-*.safetensors)")
 MEMORY_NAMES = True  # the model's own parameter names: the Hub-layout pass applies
 TIED_UNDER_BOTH_NAMES = True  # FSDP state dicts hold a tied weight under both names (passes.tie_embeddings)
 
@@ -107,9 +110,12 @@ def plan(path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None, c
 
 
 def find_dcp_dir(src: str) -> Optional[str]:
-    """The DCP checkpoint directory ``src`` is or holds (Accelerate/Trainer's ``pytorch_model_fsdp_0``)."""
-    for cand in [src] + [os.path.join(src, d) for d in _ACCELERATE_DIRS]:
+    """The DCP checkpoint directory ``src`` is or holds (Accelerate/Trainer's ``pytorch_model_fsdp_0``;
+    the ``sharded/`` directory of torch's HuggingFaceStorageWriter)."""
+    for cand in [src] + [os.path.join(src, d) for d in _ACCELERATE_DIRS + ("sharded",)]:
         if os.path.isfile(os.path.join(cand, METADATA)) and _is_pickle(os.path.join(cand, METADATA)):
+            return cand
+        if _hf_writer_files(cand):
             return cand
     return None
 
@@ -255,19 +261,24 @@ def _chunk_piece(dcp_dir, name, fqn, dtype, off, sz, storage, where) -> Piece:
 def build_plan(dcp_dir: str, *, config_dir: Optional[str] = None, source: Optional[str] = None) -> ExportPlan:
     """Plan the export of the model weights of the DCP checkpoint ``dcp_dir`` (see the module docstring)."""
     dcp_dir = os.path.abspath(dcp_dir)
-    where = os.path.join(dcp_dir, METADATA)
-    tensors, storage, paths = read_metadata(dcp_dir)
-    names = model_names(paths)
-    if not names:
-        raise CheckpointError(f"{where}: holds no model tensors (only {', '.join(sorted({p[0] for p in paths.values()}))[:200]}"
-                              "); pass the model's DCP checkpoint directory")
+    if _hf_writer_files(dcp_dir):
+        where, entries, skipped, writer = dcp_dir, _hf_writer_entries(dcp_dir), 0, "HuggingFaceStorageWriter"
+    else:
+        where, writer = os.path.join(dcp_dir, METADATA), "FileSystemWriter"
+        tensors, storage, paths = read_metadata(dcp_dir)
+        names = model_names(paths)
+        if not names:
+            raise CheckpointError(f"{where}: holds no model tensors (only "
+                                  f"{', '.join(sorted({p[0] for p in paths.values()}))[:200]}); pass the model's DCP "
+                                  "checkpoint directory")
+        entries = [(name, tensors[fqn], lambda off, sz, fqn=fqn, name=name: _chunk_piece(
+            dcp_dir, name, fqn, tensors[fqn].dtype, off, sz, storage, where)) for fqn, name in names.items()]
+        skipped = len(tensors) - len(names)
     out: List[TensorPlan] = []
     chunk_counts: Dict[int, int] = {}
     split_dims = set()
-    for fqn, name in names.items():
-        t = tensors[fqn]
-        chunks = _chunks(name, t, where, lambda off, sz, fqn=fqn, t=t, name=name: _chunk_piece(
-            dcp_dir, name, fqn, t.dtype, off, sz, storage, where))
+    for name, t, piece_of in entries:
+        chunks = _chunks(name, t, where, piece_of)
         chunk_counts[len(chunks)] = chunk_counts.get(len(chunks), 0) + 1
         split_dims.update(d for c in chunks for d in range(len(t.size)) if c.offsets[d] or c.sizes[d] != t.size[d])
         flat = row_major_pieces(t.size, chunks)
@@ -277,8 +288,7 @@ def build_plan(dcp_dir: str, *, config_dir: Optional[str] = None, source: Option
             out.append(TensorPlan.from_chunks(name, t.size, t.dtype, chunks, kind="module"))
     dtypes = {t.src_dtype for t in out}
     files = sorted({p.path for t in out for part in t.parts for p in part})
-    skipped = len(tensors) - len(names)
-    notes = [f"torch DCP: {len(files)} data files; chunks per tensor: "
+    notes = [f"torch DCP ({writer}): {len(files)} data files; chunks per tensor: "
              + ", ".join(f"{k} ({v} tensors)" for k, v in sorted(chunk_counts.items()))
              + (f"; split along dims {sorted(split_dims)}" if split_dims else "; unsplit")]
     if skipped:
@@ -287,3 +297,72 @@ def build_plan(dcp_dir: str, *, config_dir: Optional[str] = None, source: Option
     return ExportPlan(engine="torch-dcp", source=source or dcp_dir, tag=None, stage=None, dp_size=shards, mp_size=1,
                       mp_axis="none", tensors=out, dtypes={"module": dtypes.pop()} if len(dtypes) == 1 else {},
                       config_dir=config_dir, files=files, notes=notes)
+
+
+# torch's HuggingFaceStorageWriter: ``model-00001-of-00003.safetensors`` (+ a JSON ``.metadata``) from
+# one writer, ``shard-00001-model-00001-of-00001.safetensors`` per rank with ``save_distributed=True``.
+_HF_WRITER_RE = re.compile(r"^(?:shard-\d+-)?model-\d+-of-\d+\.safetensors$")
+_SHARDING_KEY = "DCP_SHARDING_INFO"
+
+
+def _hf_writer_files(path: str) -> List[str]:
+    """The safetensors files torch's HuggingFaceStorageWriter wrote in ``path`` (the per-rank
+    ``shard-*`` ones, else the ones a JSON ``.metadata`` sits beside); empty when it wrote none."""
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return []
+    sharded = [n for n in names if n.startswith("shard-") and _HF_WRITER_RE.match(n)]
+    if sharded:
+        return sharded
+    meta = os.path.join(path, METADATA)
+    if os.path.isfile(meta) and not _is_pickle(meta):
+        return [n for n in names if _HF_WRITER_RE.match(n)]
+    return []
+
+
+def _hf_writer_entries(dcp_dir: str):
+    """``[(name, DcpTensor, piece_of)]`` of the safetensors files HuggingFaceStorageWriter wrote: each
+    tensor of each file is a chunk at the offsets its ``DCP_SHARDING_INFO`` records (0 without it);
+    a tensor's size is where its chunks end."""
+    from ..formats.safetensors import read_header
+
+    placed: Dict[str, list] = {}
+    dtypes: Dict[str, str] = {}
+    for fname in _hf_writer_files(dcp_dir):
+        f = os.path.join(dcp_dir, fname)
+        header = read_header(f, check_loader=False)
+        info = header.metadata.get(_SHARDING_KEY) if isinstance(header.metadata, dict) else None
+        try:
+            info = json.loads(info) if info is not None else {}
+        except ValueError:
+            info = None
+        if not isinstance(info, dict):
+            raise LayoutError(f"{f}: its {_SHARDING_KEY} metadata is not a JSON object; the file is corrupt: copy "
+                              "it again")
+        for name, e in header.tensors.items():
+            rec = info.get(name)
+            off = rec.get("saved_offsets") if isinstance(rec, dict) else (0,) * len(e.shape) if rec is None else None
+            off = _ints(tuple(off) if isinstance(off, (list, tuple)) else off, f"{one_line(name[:100])} saved_offsets",
+                        f)
+            if name in dtypes and dtypes[name] != e.dtype:
+                raise LayoutError(f"{f}: {one_line(name[:100])} is {e.dtype} here, {dtypes[name]} in another file; the "
+                                  "files belong to different saves: copy the checkpoint again")
+            dtypes[name] = e.dtype
+            placed.setdefault(name, []).append((off, e.shape, Piece(f, e.offset, math.prod(e.shape), e.dtype)))
+    entries = []
+    for name, chunks in placed.items():
+        if name.split(".")[0] in _NOT_MODEL:
+            continue
+        ndim = {len(off) for off, _, _ in chunks} | {len(sz) for _, sz, _ in chunks}
+        if len(ndim) != 1:
+            raise LayoutError(f"{dcp_dir}: the chunks of {one_line(name[:100])} disagree on its number of dimensions; "
+                              "the files belong to different saves: copy the checkpoint again")
+        size = tuple(max(o[d] + s[d] for o, s, _ in chunks) for d in range(ndim.pop()))
+        pieces = {(tuple(o), tuple(s)): p for o, s, p in chunks}
+        t = DcpTensor(dtypes[name], size, [(tuple(o), tuple(s)) for o, s, _ in chunks])
+        entries.append((name, t, lambda off, sz, pieces=pieces: pieces[(tuple(off), tuple(sz))]))
+    if not entries:
+        raise CheckpointError(f"{dcp_dir}: its safetensors files hold no model tensors; pass the model's checkpoint "
+                              "directory")
+    return entries
