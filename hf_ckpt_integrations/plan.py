@@ -145,6 +145,9 @@ class ExportPlan:
     mp_axis_reason: Optional[str] = None
     engine_version: Optional[str] = None  # the engine release that wrote the files (DeepSpeed's ds_version)
     conversions: List[dict] = field(default_factory=list)  # Hub-layout splits/renames (hub_layout)
+    # A PEFT adapter (sources/peft.py): what `inspect` shows of adapter_config.json; the export is
+    # then the adapter directory PeftModel.save_pretrained writes.
+    adapter: Optional[dict] = None
 
     def tensor_bytes(self, out_dtype: Optional[str] = None) -> int:
         from .safe_load import DTYPE_SIZES
@@ -177,6 +180,7 @@ class ExportPlan:
             "notes": self.notes,
             "padding_removed": {k: list(v) for k, v in self.padding_removed.items()},
             "conversions": self.conversions,
+            "adapter": self.adapter,
             "tensors": [
                 {"name": t.name, "shape": list(t.shape), "dtype": t.src_dtype, "kind": t.kind,
                  "pieces": sum(len(p) for p in t.parts), "cat_dim": t.cat_dim, "rule": t.rule,

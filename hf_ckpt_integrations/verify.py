@@ -19,6 +19,7 @@ __all__ = ["VerifyReport", "read_hf_dir", "verify_plan"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+ADAPTER_NAME = "adapter_model.safetensors"
 
 
 @dataclass
@@ -121,6 +122,8 @@ def read_hf_dir(path) -> Dict[str, Tuple[str, str, Tuple[int, ...], int, int]]:
             raise CheckpointError(f"{index}: unreadable index ({e}); export it again") from e
     elif os.path.isfile(os.path.join(path, SINGLE_NAME)):
         files = [SINGLE_NAME]
+    elif os.path.isfile(os.path.join(path, ADAPTER_NAME)):  # a PEFT adapter directory
+        files = [ADAPTER_NAME]
     else:
         raise CheckpointError(f"{path}: no {SINGLE_NAME} or {INDEX_NAME}; pass the directory `hf-ckpt export` "
                               "wrote")

@@ -229,6 +229,26 @@ def copy_config_files(config_dir: Optional[str], directory, skipped: Optional[Li
     return copied
 
 
+@dataclass
+class _OneFile:
+    """A split into exactly the files named (the shape of ``huggingface_hub``'s split result)."""
+
+    filename_to_tensors: dict
+    is_sharded: bool = False
+
+
+def copy_adapter_config(path: str, directory, skipped: List[str]) -> List[str]:
+    """Copy the ``adapter_config.json`` at ``path`` into ``directory`` (a regular file only, as
+    :func:`copy_config_files`); return the names copied."""
+    problem = copyable_problem(path, os.path.dirname(path))
+    if problem is not None:
+        skipped.append(problem)
+        return []
+    name = os.path.basename(path)
+    shutil.copyfile(os.path.realpath(path), os.path.join(directory, name))
+    return [name]
+
+
 _CONFIG_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
@@ -518,7 +538,12 @@ def write_plan(plan: ExportPlan, dst, *, dtype: Optional[str] = None, max_shard_
     skipped: List[str] = []
     with MappedFiles() as files:
         tensors = plan_tensors(plan, dtype, files, ranges=True)
-        split = split_shards(tensors, max_shard_size)
+        if plan.adapter is not None:  # PeftModel.save_pretrained's one unsharded adapter file
+            from .sources.peft import ADAPTER_WEIGHTS_NAME
+
+            split = _OneFile({ADAPTER_WEIGHTS_NAME: [t.name for t in tensors]})
+        else:
+            split = split_shards(tensors, max_shard_size)
         by_name = {t.name: t for t in tensors}
         total = sum(t.nbytes for t in tensors)
         with staging as tmp, progress_bar(total, "export", quiet) as bar:
@@ -538,7 +563,10 @@ def write_plan(plan: ExportPlan, dst, *, dtype: Optional[str] = None, max_shard_
                     write_shard(path, ts, bar)
             if split.is_sharded:
                 write_index(tmp, split, tensors)
-            copied = copy_config_files(plan.config_dir, tmp, skipped, tensors=tensors)
+            if plan.adapter is not None:
+                copied = copy_adapter_config(plan.adapter["config"], tmp, skipped)
+            else:
+                copied = copy_config_files(plan.config_dir, tmp, skipped, tensors=tensors)
     dst = staging.dst
     names = sorted(os.listdir(dst))
     return {"destination": dst, "files": names, "shards": len(split.filename_to_tensors), "tensor_bytes": total,

@@ -88,6 +88,10 @@ CASES = {
        for f in ("llama", "gpt2", "t5", "bert", "mixtral", "qwen2_moe", "llava")},
     "fam-mixtral-z2": ("family_train.py", 2, ["--family", "mixtral", "--stage", "2"]),
     "fam-cb-qwen2_moe-z3": ("family_trainer_cb.py", 2, ["--family", "qwen2_moe", "--stage", "3"]),
+    # PEFT LoRA under the Trainer + callback + accelerator.save_model (tests/test_peft.py).
+    "peft-z3": ("peft_trainer_run.py", 2, ["--stage", "3"]),
+    "peft-z3-gather": ("peft_trainer_run.py", 2, ["--stage", "3", "--gather-on-save", "--adapter-name", "mine"]),
+    "peft-z2": ("peft_trainer_run.py", 2, ["--stage", "2", "--modules-to-save", "--rslora"]),
 }
 
 
@@ -136,8 +140,10 @@ def torchrun(script, nproc, args, *, log, timeout=ENGINE_TIMEOUT_S, env=None, ac
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd += [str(script), *map(str, args)]
+    # This checkout's package, not the one the shared venv's editable install points at.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+                "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})}
     with open(log, "w") as fh:  # a file, not a pipe: torchrun's workers may outlive it
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
         if not wait_or_stop(proc, timeout):

@@ -161,20 +161,27 @@ def drain(t: OutTensor) -> None:
 
 def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_SHARD_SIZE,
                       collective: bool = False, config_dir: Optional[str] = None,
-                      replace_existing: bool = True, what: str = "HF export", fmt: str = "safetensors") -> dict:
+                      replace_existing: bool = True, what: str = "HF export", fmt: str = "safetensors",
+                      filename: Optional[str] = None) -> dict:
     """Write ``tensors`` as HF weights into the existing-or-new directory ``dst`` (see module doc).
 
     Called by every rank with the same ``tensors``. Existing weight files in ``dst`` are removed
     only after every rank has written its shards (``replace_existing``); other files are kept.
     Returns ``{"files": [...], "tensor_bytes": n, "written_here": [...]}``. Raises
-    :class:`SaveError` on every rank when any rank failed.
+    :class:`SaveError` on every rank when any rank failed. ``filename``: write all ``tensors`` into
+    that one file (a PEFT adapter's ``adapter_model.safetensors``) instead of ``model*.safetensors``.
     """
     rank, world = rank_world()
     dst = os.path.abspath(os.fspath(dst))
     staging = os.path.join(dst, STAGING_NAME)
     if fmt not in ("safetensors", "bin"):
         raise ValueError(f"fmt={fmt!r}; use 'safetensors' or 'bin'")
-    split = _split(tensors, max_shard_size, fmt)
+    if filename is not None:
+        from types import SimpleNamespace
+
+        split = SimpleNamespace(filename_to_tensors={filename: [t.name for t in tensors]}, is_sharded=False)
+    else:
+        split = _split(tensors, max_shard_size, fmt)
     by_name = {t.name: t for t in tensors}
     error = None
     if rank == 0:

@@ -32,7 +32,7 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
     with bad_metadata_as_input(src):
         plan = _build_plan(src, tag, dtype, config, tp_rules)
         check_plan(plan)
-    if plan.config_dir is None:  # say why a config.json beside the checkpoint was not used
+    if plan.config_dir is None and plan.adapter is None:  # say why a config.json beside the checkpoint was not used
         problem = config_problem(src)
         if problem and os.path.lexists(os.path.join(src, "config.json")):
             plan.notes.append(f"{problem}; pass --config DIR holding the model's config.json")
@@ -40,6 +40,16 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
 
 
 def _build_plan(src, tag, dtype, config, tp_rules):
+    from . import peft
+
+    adapter_config = None
+    if config is not None and os.path.isfile(os.path.join(config, peft.ADAPTER_CONFIG_NAME)) and \
+            not os.path.lexists(os.path.join(config, "config.json")):
+        adapter_config, config = config, None  # --config names the adapter's directory
+    return peft.adapter_plan(_engine_plan(src, tag, dtype, config, tp_rules), src, config=adapter_config)
+
+
+def _engine_plan(src, tag, dtype, config, tp_rules):
     from . import deepspeed, hf_dir, hub_layout, universal
 
     # A universal checkpoint (ds_to_universal output): the directory itself, or a tag naming one.

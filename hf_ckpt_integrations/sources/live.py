@@ -79,7 +79,7 @@ def reads_are_collective(module) -> bool:
                for p in module.parameters())
 
 
-def live_tensors(module, *, dtype: Optional[str] = None) -> List[LiveTensor]:
+def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> List[LiveTensor]:
     """The tensors of ``module`` (unwrapped: the ``nn.Module``, not the DeepSpeed engine) to write,
     under the names and splits ``save_pretrained`` writes (:mod:`.hub_layout`: transformers 5's
     fused MoE experts become one tensor per expert, each a slice of the fused parameter).
@@ -88,12 +88,17 @@ def live_tensors(module, *, dtype: Optional[str] = None) -> List[LiveTensor]:
     floating tensors (one tensor at a time). Every rank must call it and get the same list.
     Raises :class:`~..errors.LayoutError` where transformers' save-time conversion is not a split
     along the leading dims.
+
+    ``select``: ``name -> output name or None``: only the tensors it names, under those names, and no
+    Hub-layout conversion (a PEFT adapter, :mod:`.peft`); the others are never read (or gathered).
     """
     import torch
 
     st_target = dtype_from_name(dtype)
     cast = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(st_target)
     state = module.state_dict(keep_vars=True)
+    if select is not None:
+        state = {n: t for n, t in state.items() if select(n) is not None}
     owners = dict(module.named_modules())
     seen = {}
     aliases = {}  # tied name -> the name written
@@ -118,10 +123,14 @@ def live_tensors(module, *, dtype: Optional[str] = None) -> List[LiveTensor]:
             shape, read = tuple(t.shape), (lambda lo, hi, t=t: iter((_own_bytes(_flat(t)[lo:hi], cast),)))
         sources[name] = (shape, out_dtype, read)
 
-    from .hub_layout import live_layout
+    if select is not None:
+        layout = [(select(n), n, s[0], 0) for n, s in sources.items()]
+    else:
+        from .hub_layout import live_layout
 
+        layout = live_layout(module, {n: s[0] for n, s in sources.items()}, aliases)
     out: List[LiveTensor] = []
-    for name, src, shape, offset in live_layout(module, {n: s[0] for n, s in sources.items()}, aliases):
+    for name, src, shape, offset in layout:
         _, out_dtype, read = sources[src]
         lo, hi = offset, offset + math.prod(shape)
 
