@@ -9,15 +9,12 @@ unpadding import torch and hold one tensor in memory.
 from typing import Iterator, NamedTuple
 
 from .errors import LayoutError
+from .formats.dtypes import FLOATS as FLOAT_DTYPES, SIZES as DTYPE_SIZES, to_torch as _torch_dtype
 from .plan import TensorPlan
-from .safe_load import DTYPE_SIZES, MappedFiles
+from .safe_load import MappedFiles
 
-__all__ = ["out_dtype_for", "iter_bytes", "to_torch", "check_replicas", "check_module_copy", "cast_f32",
+__all__ = ["out_dtype_for", "iter_bytes", "to_torch", "check_replicas", "check_module_copy",
            "FileRange", "FLOAT_DTYPES"]
-
-FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
-_TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
 class FileRange(NamedTuple):
@@ -37,12 +34,6 @@ def out_dtype_for(t: TensorPlan, requested):
     if requested is None or t.src_dtype not in FLOAT_DTYPES:
         return t.src_dtype
     return requested
-
-
-def _torch_dtype(name):
-    import torch
-
-    return getattr(torch, _TORCH_NAMES[name])
 
 
 def _flat(pieces, files: MappedFiles):
@@ -95,27 +86,6 @@ def check_replicas(t: TensorPlan, files: MappedFiles) -> None:
                 f"{replica[0].path}: its copy of {t.name} differs from the copy in {t.parts[0][0].path}; "
                 "the model-parallel ranks were meant to be replicas. Export is refused: check which rank "
                 "diverged (use --tag for an earlier save), or treat the axis as tensor parallel with --tp-rule")
-
-
-def cast_f32(raw: bytes, dtype: str) -> bytes:
-    """One fp32 value (4 little-endian bytes) cast to ``dtype`` as torch casts it (round to nearest
-    even), without torch. NaN becomes some NaN: compare NaNs as NaNs."""
-    if dtype == "F32":
-        return bytes(raw)
-    bits = int.from_bytes(raw, "little")
-    if dtype == "BF16":
-        if (bits & 0x7FFFFFFF) > 0x7F800000:
-            return b"\xc0\x7f"
-        return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF).to_bytes(2, "little")
-    if dtype == "F16":
-        import struct
-
-        value = struct.unpack("<f", raw)[0]
-        try:
-            return struct.pack("<e", value)  # IEEE round-half-even from the (exact) double
-        except OverflowError:
-            return b"\x00\xfc" if bits >> 31 else b"\x00\x7c"
-    raise ValueError(dtype)
 
 
 def check_module_copy(t: TensorPlan, files: MappedFiles) -> bool:

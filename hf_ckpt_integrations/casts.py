@@ -34,15 +34,16 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .errors import LayoutError
+from .formats.dtypes import NUMPY_BITS
 
-__all__ = ["can_cast", "cast_array", "iter_cast", "CHUNK_ELEMENTS"]
+__all__ = ["can_cast", "cast_array", "cast_bytes", "iter_cast", "CHUNK_ELEMENTS"]
 
 # Elements per chunk: 1 MiB of fp32 in, small enough to stay in the CPU caches between the
 # numpy passes (measured: 4x larger chunks are 2.5x slower), large enough that the per-call
 # overhead is noise.
 CHUNK_ELEMENTS = 1 << 18
 
-_NP = {"F32": np.uint32, "BF16": np.uint16, "F16": np.uint16}
+_NP = {d: np.dtype(bits).type for d, bits in NUMPY_BITS.items()}
 _PAIRS = {("F32", "BF16"), ("F32", "F16"), ("BF16", "F32"), ("F16", "F32"), ("F16", "BF16"), ("BF16", "F16")}
 _LITTLE = sys.byteorder == "little"
 
@@ -155,6 +156,17 @@ def cast_array(src: str, dst: str, a: np.ndarray, out: np.ndarray = None, scratc
     else:
         raise ValueError(f"no torch-free cast from {src} to {dst}")
     return out
+
+
+def cast_bytes(raw, src: str, dst: str) -> bytes:
+    """The little-endian bytes ``raw`` of ``src`` values cast to ``dst`` (:func:`cast_array`): the
+    same bits the export writes, for a caller holding a few values (the planner's placement
+    samples). ``src == dst`` returns the bytes unchanged."""
+    if src == dst:
+        return bytes(raw)
+    if not can_cast(src, dst):
+        raise ValueError(f"no torch-free cast from {src} to {dst}")
+    return cast_array(src, dst, np.frombuffer(bytes(raw), _NP[src])).tobytes()
 
 
 # Open file descriptors per MappedFiles instance (the run's file set): one open per source file,

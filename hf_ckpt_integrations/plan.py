@@ -15,23 +15,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from .errors import OptionError
+from .formats.dtypes import SIZES, USER_NAMES as DTYPE_NAMES, from_user as dtype_from_name
 
 __all__ = ["Piece", "TensorPlan", "ExportPlan", "DTYPE_NAMES", "dtype_from_name", "narrow_pieces",
            "check_plan"]
-
-# CLI/user names -> safetensors names
-DTYPE_NAMES = {"fp32": "F32", "float32": "F32", "bf16": "BF16", "bfloat16": "BF16", "fp16": "F16",
-               "float16": "F16", "half": "F16"}
-
-
-def dtype_from_name(name: Optional[str]) -> Optional[str]:
-    if name is None:
-        return None
-    try:
-        return DTYPE_NAMES[name.lower()]
-    except (KeyError, AttributeError):
-        raise OptionError(f"unknown dtype {str(name)[:40]!r}; use one of fp32, bf16, fp16") from None
+# DTYPE_NAMES / dtype_from_name: the user dtype names of :mod:`.formats.dtypes`, kept importable here.
 
 
 @dataclass(frozen=True)
@@ -46,8 +34,6 @@ class Piece:
 
 def narrow_pieces(pieces: List[Piece], start: int, count: int) -> List[Piece]:
     """Elements ``[start, start + count)`` of the flat tensor ``pieces`` lay end to end, as pieces."""
-    from .safe_load import DTYPE_SIZES
-
     out = []
     for p in pieces:
         if count <= 0:
@@ -56,7 +42,7 @@ def narrow_pieces(pieces: List[Piece], start: int, count: int) -> List[Piece]:
             start -= p.numel
             continue
         take = min(count, p.numel - start)
-        out.append(Piece(p.path, p.offset + start * DTYPE_SIZES[p.dtype], take, p.dtype))
+        out.append(Piece(p.path, p.offset + start * SIZES[p.dtype], take, p.dtype))
         count -= take
         start = 0
     if count > 0:
@@ -150,9 +136,7 @@ class ExportPlan:
     adapter: Optional[dict] = None
 
     def tensor_bytes(self, out_dtype: Optional[str] = None) -> int:
-        from .safe_load import DTYPE_SIZES
-
-        return sum(t.numel * DTYPE_SIZES[out_dtype or t.src_dtype] for t in self.tensors)
+        return sum(t.numel * SIZES[out_dtype or t.src_dtype] for t in self.tensors)
 
     def summary(self) -> dict:
         """A JSON-able description (what ``inspect --json`` prints)."""
@@ -198,7 +182,7 @@ def check_plan(plan: ExportPlan) -> None:
     Raises :class:`~.errors.LayoutError` naming the tensor.
     """
     from .errors import LayoutError
-    from .safe_load import DTYPE_SIZES, MAX_NDIM, short_repr
+    from .safe_load import MAX_NDIM, short_repr
 
     seen = set()
     for t in plan.tensors:
@@ -216,7 +200,7 @@ def check_plan(plan: ExportPlan) -> None:
             raise LayoutError(f"{where}: shape {short_repr(t.shape)} is not a list of non-negative integers; "
                               "the checkpoint is corrupt: copy it again")
         pieces = [p for part in t.parts for p in part]
-        if t.src_dtype not in DTYPE_SIZES or any(p.dtype not in DTYPE_SIZES or p.numel < 0 for p in pieces):
+        if t.src_dtype not in SIZES or any(p.dtype not in SIZES or p.numel < 0 for p in pieces):
             raise LayoutError(f"{where}: dtype {short_repr(t.src_dtype)} is not one safetensors stores here")
         got = [sum(p.numel for p in part) for part in t.parts]
         want = ([math.prod(s) for s in t.part_shapes] if t.part_shapes is not None else

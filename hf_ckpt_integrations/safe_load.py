@@ -36,8 +36,11 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 from .errors import CheckpointError, UnsafeCheckpointError
+from .formats.dtypes import SIZES as DTYPE_SIZES, STORAGE_CLASSES, TORCH_NAMES
 
-__all__ = ["TensorRef", "StorageRef", "FragmentAddress", "Opaque", "load", "check_crc", "short_repr",
+__all__ = ["TensorRef", "StorageRef", "FragmentAddress", "Opaque", "Record", "record_type", "TORCH_GLOBALS",
+           "TORCH_TENSOR_ALLOWED", "load", "loads",
+           "check_crc", "short_repr",
            "DTYPE_SIZES", "MAX_PICKLE_BYTES", "MAX_OPS", "MAX_NODES", "MAX_DEPTH", "MAX_NDIM"]
 
 # Budgets for one file's pickle (a DeepSpeed data.pkl of a 70B model is a few MB, its tree
@@ -49,17 +52,6 @@ MAX_DEPTH = 100
 MAX_NDIM = 64
 _MAX_KEY_LEN = 16  # a tuple used as a dict key or set element: this many atoms at most
 
-# safetensors dtype names and element sizes; torch storage classes map onto them.
-DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-               "U8": 1, "BOOL": 1}
-_STORAGE_DTYPES = {
-    "DoubleStorage": "F64", "FloatStorage": "F32", "HalfStorage": "F16", "BFloat16Storage": "BF16",
-    "LongStorage": "I64", "IntStorage": "I32", "ShortStorage": "I16", "CharStorage": "I8",
-    "ByteStorage": "U8", "BoolStorage": "BOOL", "UntypedStorage": "U8",
-}
-_TORCH_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-                 "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
-                 "bool": "BOOL"}
 
 
 @dataclass(frozen=True)
@@ -148,6 +140,34 @@ class Opaque:
         return f"Opaque({self.__dict__!r})"
 
 
+class Record:
+    """Inert stand-in for an allowlisted plain-data class of another library's pickle (torch DCP's
+    ``Metadata``, ``ChunkStorageMetadata``...): NEWOBJ makes an empty one, BUILD stores the pickled
+    state as ``state`` (a dict of fields, or the tuple a ``__getstate__`` returned). Nothing else
+    runs. Hashed by identity, so a record may key a dict (DCP's ``MetadataIndex``) without the
+    unpickler hashing anything it read. Make one type per class with :func:`record_type`."""
+
+    kind = "Record"
+
+    def __init__(self, *args):
+        self.state = None
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def field(self, name, default=None):
+        """Field ``name`` of a dict state (``default`` when absent or the state is not a dict)."""
+        return self.state.get(name, default) if type(self.state) is dict else default
+
+    def __repr__(self):
+        return f"{self.kind}({short_repr(self.state)})"
+
+
+def record_type(name: str) -> type:
+    """A :class:`Record` subclass named ``name``, for one allowlisted class."""
+    return type(name, (Record,), {"kind": name})
+
+
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
 
@@ -224,7 +244,7 @@ def _device(*args):
 def _check_key(key):
     """Dict keys and set elements get hashed (and compared): only atoms, or short tuples of atoms —
     hashing a nested tuple DAG takes 2^depth steps."""
-    if type(key) in _ATOMS:
+    if type(key) in _ATOMS or isinstance(key, Record):
         return
     if type(key) is tuple and len(key) <= _MAX_KEY_LEN and all(type(k) in _ATOMS for k in key):
         return
@@ -268,6 +288,9 @@ def _guarded_size(dims=()):
     return _ints(dims, "shape")
 
 
+# torch.Size and the torch dtypes (``torch.float32``...): every torch pickle spells them this way.
+TORCH_GLOBALS = {"Size": _guarded_size, **{v: _DtypeMarker(k) for k, v in TORCH_NAMES.items()}}
+
 # module -> name -> stand-in. Anything not listed here is refused.
 _ALLOWED = {
     "collections": {"OrderedDict": _guarded_ordered_dict},
@@ -277,8 +300,8 @@ _ALLOWED = {
                      "_rebuild_parameter_with_state": _rebuild_parameter},
     "torch._tensor": {"_rebuild_from_type_v2": _rebuild_from_type_v2},
     "torch": {"Size": _guarded_size, "Tensor": "Tensor", "device": _device,
-              **{k: _DtypeMarker(v) for k, v in _STORAGE_DTYPES.items()},
-              **{k: _DtypeMarker(v) for k, v in _TORCH_DTYPES.items()}},
+              **{k: _DtypeMarker(v) for k, v in STORAGE_CLASSES.items()},
+              **{v: _DtypeMarker(k) for k, v in TORCH_NAMES.items()}},
     "torch.nn.parameter": {"Parameter": "Parameter"},
     "torch.storage": {"UntypedStorage": _DtypeMarker("U8")},
     "argparse": {"Namespace": Opaque},
@@ -288,16 +311,23 @@ _ALLOWED = {
 }
 
 
+# The allowlist of a pickle holding only tensors (one chunk of a torch DCP .distcp file).
+# (torch's tensor rebuild takes an empty OrderedDict of backward hooks)
+TORCH_TENSOR_ALLOWED = {m: v for m, v in _ALLOWED.items() if m in ("torch", "collections") or m.startswith("torch.")}
+
+
 class _Unpickler(pickle._Unpickler):
     """The pure-Python unpickler (the C one cannot be instrumented) with budgets at the opcodes
     that can blow up: see the module docstring. About 2x slower than the C one here (most of the
     time is in our own rebuild functions either way): 2.2 s instead of 1.1 s for a 3.8 MB pickle
     of 20,000 tensors, milliseconds for the engine files of the tests."""
 
-    def __init__(self, data: bytes, path: str, storages: dict):
+    def __init__(self, data: bytes, path: str, storages: Optional[dict], allowed: Optional[dict] = None):
         super().__init__(io.BytesIO(data))
         self._path = path
-        self._storages = storages
+        self._storages = storages  # None: a plain pickle (no torch zip around it), storages refused
+        self._allowed = _ALLOWED if allowed is None else allowed
+        self._what = "DeepSpeed checkpoints contain" if allowed is None else "this format contains"
         # Protocol < 3 (torch.save writes 2) spells builtins the Python 2 way (``__builtin__.set``).
         # The standard unpickler's find_class maps those names, and we replace it, so map them here
         # exactly as it does (a protocol-2 pickle starts with PROTO 2; none at all means 0/1).
@@ -340,7 +370,8 @@ class _Unpickler(pickle._Unpickler):
 
     def _load_newobj(self):
         # NEWOBJ builds the DeepSpeed value types (fragment_address, LossScaler, Namespace)
-        if self.stack[-2] not in (Opaque, FragmentAddress):
+        cls = self.stack[-2]
+        if cls not in (Opaque, FragmentAddress) and not (isinstance(cls, type) and issubclass(cls, Record)):
             raise UnsafeCheckpointError(f"{self._path}: refused for safety: its pickle creates "
                                         f"{short_repr(self.stack[-2])} by NEWOBJ; the file was not executed")
         pickle._Unpickler.load_newobj(self)
@@ -351,7 +382,7 @@ class _Unpickler(pickle._Unpickler):
         if type(self.stack[-2]) is collections.OrderedDict:
             self.stack.pop()
             return
-        if type(self.stack[-2]) not in (Opaque, FragmentAddress):
+        if type(self.stack[-2]) not in (Opaque, FragmentAddress) and not isinstance(self.stack[-2], Record):
             raise UnsafeCheckpointError(f"{self._path}: refused for safety: its pickle sets the state of a "
                                         f"{type(self.stack[-2]).__name__}; the file was not executed")
         pickle._Unpickler.load_build(self)
@@ -369,16 +400,16 @@ class _Unpickler(pickle._Unpickler):
             elif module in _compat_pickle.IMPORT_MAPPING:
                 module = _compat_pickle.IMPORT_MAPPING[module]
         # The allowlist applies to the mapped name: mapping never widens what may be built.
-        target = _ALLOWED.get(module, {}).get(name)
+        target = self._allowed.get(module, {}).get(name)
         if target is None:
             raise UnsafeCheckpointError(
                 f"{self._path}: refused for safety: its pickle asks for `{asked}`, which is not "
-                "on the allowlist of types DeepSpeed checkpoints contain; the file was not executed. "
+                f"on the allowlist of types {self._what}; the file was not executed. "
                 "Only export checkpoints you trust through torch.load, or re-save it with plain tensors")
         return target
 
     def persistent_load(self, pid):
-        if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"):
+        if self._storages is None or not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"):
             raise UnsafeCheckpointError(f"{self._path}: refused for safety: unexpected persistent id "
                                         f"{short_repr(pid)}")
         _, dtype, key, _location, numel = pid
@@ -389,7 +420,7 @@ class _Unpickler(pickle._Unpickler):
             raise CheckpointError(f"{self._path}: a storage reference ({short_repr(key)}, "
                                   f"{short_repr(numel)} elements) is malformed; the file is corrupt")
         # torch.load reads <archive>/data/<key> of data.pkl's own archive, and nothing else
-        entry = self._storages.get(key)
+        entry = (self._storages or {}).get(key)
         if entry is None:
             raise CheckpointError(f"{self._path}: storage {short_repr(key)} is missing from the archive; "
                                   "the file is truncated or corrupt, copy it again from the training run")
@@ -538,8 +569,38 @@ def check_crc(path, ranges) -> list:
 _CRC_BLOCK = 16 * 2**20
 
 
-def load(path) -> Any:
+class _Window:
+    """Bytes ``[start, start + size)`` of an open file, as a seekable read-only file of ``size``
+    bytes: a torch zip archive stored inside a larger file (one chunk of a torch DCP ``.distcp``)."""
+
+    def __init__(self, fh, start: int, size: int):
+        self._fh, self._start, self._size, self._pos = fh, start, size, 0
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self._pos
+
+    def seek(self, pos, whence=0):
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def read(self, n=-1):
+        n = self._size - self._pos if n is None or n < 0 else min(n, max(0, self._size - self._pos))
+        self._fh.seek(self._start + self._pos)
+        data = self._fh.read(n)
+        self._pos += len(data)
+        return data
+
+
+def load(path, *, offset: int = 0, length: Optional[int] = None, allowed: Optional[dict] = None) -> Any:
     """Unpickle the object tree of a torch zip checkpoint safely; tensors become :class:`TensorRef`.
+
+    ``offset``/``length``: the archive is bytes ``[offset, offset + length)`` of ``path`` (a chunk
+    of a torch DCP ``.distcp`` file); tensors' offsets stay absolute in ``path``. ``allowed``: the
+    allowlist (module -> name -> stand-in) instead of the DeepSpeed one.
 
     Raises :class:`UnsafeCheckpointError` for a disallowed global, :class:`CheckpointError` for a
     file that is empty, truncated, or not a torch zip checkpoint.
@@ -552,35 +613,65 @@ def load(path) -> Any:
     if file_size == 0:
         raise CheckpointError(f"{path}: empty file (0 bytes); the save was interrupted, "
                               "use an earlier checkpoint or copy it again")
+    size = file_size - offset if length is None else length
+    where = path if (offset, size) == (0, file_size) else f"{path} (bytes {offset}+{size})"
+    if offset < 0 or size <= 0 or offset + size > file_size:
+        raise CheckpointError(f"{where}: truncated (the file has {file_size} bytes); the save was interrupted "
+                              "or the copy is incomplete: copy it again from the training run")
     try:
-        with open(path, "rb") as fh, _open_zip(fh, path) as zf:
-            pkl = _pickle_entry(zf, path)
-            if pkl.file_size > MAX_PICKLE_BYTES:
-                raise CheckpointError(f"{path}: its pickle is {pkl.file_size} bytes (over {MAX_PICKLE_BYTES}); no "
-                                      "checkpoint's metadata is that large: the file is corrupt or crafted")
-            storages = _stored_entries(zf, fh, file_size, path, os.path.dirname(pkl.filename))
-            try:
-                data = zf.read(pkl)  # checks the entry's CRC-32
-            except (zipfile.BadZipFile, EOFError, OSError) as e:
-                raise CheckpointError(f"{path}: corrupt pickle entry ({e}); copy it again") from e
+        with open(path, "rb") as raw:
+            fh = raw if where == path else _Window(raw, offset, size)
+            with _open_zip(fh, where) as zf:
+                pkl = _pickle_entry(zf, where)
+                if pkl.file_size > MAX_PICKLE_BYTES:
+                    raise CheckpointError(f"{where}: its pickle is {pkl.file_size} bytes (over {MAX_PICKLE_BYTES}); "
+                                          "no checkpoint's metadata is that large: the file is corrupt or crafted")
+                storages = _stored_entries(zf, fh, size, where, os.path.dirname(pkl.filename))
+                storages = {k: (o + offset, n) for k, (o, n) in storages.items()}
+                try:
+                    data = zf.read(pkl)  # checks the entry's CRC-32
+                except (zipfile.BadZipFile, EOFError, OSError) as e:
+                    raise CheckpointError(f"{where}: corrupt pickle entry ({e}); copy it again") from e
     except CheckpointError:
         raise
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e}); check the path and permissions") from e
     except Exception as e:  # a damaged central directory raises a zoo of types inside zipfile
-        raise CheckpointError(f"{path}: corrupt zip structure ({type(e).__name__}: {e}); "
+        raise CheckpointError(f"{where}: corrupt zip structure ({type(e).__name__}: {e}); "
                               "copy it again from the training run") from e
+    return _unpickle(data, path, where, storages, allowed)
+
+
+def loads(path, *, allowed: dict) -> Any:
+    """Unpickle a plain pickle file (not a torch zip: torch DCP's ``.metadata``) safely, with the
+    allowlist ``allowed``; same budgets and refusals as :func:`load`, no tensor storages."""
+    path = os.fspath(path)
     try:
-        obj = _Unpickler(data, path, storages).load()
-        _check_tree(obj, path)
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_PICKLE_BYTES + 1)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e}); check the path and permissions") from e
+    if not data:
+        raise CheckpointError(f"{path}: empty file (0 bytes); the save was interrupted, "
+                              "use an earlier checkpoint or copy it again")
+    if len(data) > MAX_PICKLE_BYTES:
+        raise CheckpointError(f"{path}: over {MAX_PICKLE_BYTES} bytes; no checkpoint's metadata is that large: "
+                              "the file is corrupt or crafted")
+    return _unpickle(data, path, path, None, allowed)
+
+
+def _unpickle(data, path, where, storages, allowed):
+    try:
+        obj = _Unpickler(data, path, storages, allowed).load()
+        _check_tree(obj, where)
         return obj
     except CheckpointError as e:
         if str(e).startswith(path):
             raise
-        raise type(e)(f"{path}: {e}; the file is corrupt or crafted: copy it again from the training "
+        raise type(e)(f"{where}: {e}; the file is corrupt or crafted: copy it again from the training "
                       "run") from None
     except Exception as e:  # malformed pickles raise a zoo of types
-        raise CheckpointError(f"{path}: corrupt pickle ({type(e).__name__}: {_ERR_REPR.repr(e.args)}); "
+        raise CheckpointError(f"{where}: corrupt pickle ({type(e).__name__}: {_ERR_REPR.repr(e.args)}); "
                               "copy it again from the training run") from None
 
 
@@ -607,7 +698,7 @@ def _check_tree(obj, path) -> None:
                 below.extend(node.values())
             elif t in (list, tuple, set, frozenset):
                 below.extend(node)
-            elif t in (Opaque, FragmentAddress):
+            elif t in (Opaque, FragmentAddress) or isinstance(node, Record):
                 below.extend(vars(node).values())
             elif t is slice:
                 below.extend((node.start, node.stop, node.step))

@@ -16,7 +16,6 @@ Building blocks, used by :func:`write_plan` (offline export) and by the save-tim
 
 import contextlib
 import errno
-import json
 import math
 import os
 import shutil
@@ -24,31 +23,26 @@ import signal
 import stat
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
-from huggingface_hub import split_state_dict_into_shards_factory
-
 from .assemble import FileRange, iter_bytes, out_dtype_for
 from .errors import DestinationError, OptionError
+from .formats import names
+from .formats.config import record_dtype, write_config
+from .formats.dtypes import SIZES as DTYPE_SIZES, from_user as dtype_from_name
+from .formats.names import ADAPTER_SAFETENSORS_NAME, CONFIG_FILES, MAX_SHARD_SIZE, SAFETENSORS_INDEX as INDEX_NAME
+from .formats.names import SAFETENSORS_PATTERN as SAFETENSORS_FILENAME_PATTERN
+from .formats.safetensors import encode_header
 from .guards import check_destination, copyable_problem
-from .plan import ExportPlan, dtype_from_name
-from .safe_load import DTYPE_SIZES, MappedFiles
+from .plan import ExportPlan
+from .safe_load import MappedFiles
 
 __all__ = ["OutTensor", "split_shards", "shard_order", "write_shard", "write_index", "copy_config_files", "Staging",
            "set_config_dtype", "write_plan", "MAX_SHARD_SIZE", "SAFETENSORS_FILENAME_PATTERN", "INDEX_NAME",
            "TMP_MARKER", "CONFIG_FILES", "check_max_shard_size", "check_workers", "plan_inputs"]
 
-MAX_SHARD_SIZE = "5GB"
-SAFETENSORS_FILENAME_PATTERN = "model{suffix}.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 TMP_MARKER = ".hfckpt-tmp-"
-# Copied from the config directory when present: what from_pretrained and AutoTokenizer read.
-CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json",
-                "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
-                "preprocessor_config.json")
 
 
 @dataclass
@@ -93,21 +87,7 @@ def plan_inputs(plan: ExportPlan) -> List[str]:
 
 def split_shards(tensors: Sequence[OutTensor], max_shard_size=MAX_SHARD_SIZE):
     """``huggingface_hub``'s split (in the given order), so names match ``save_pretrained``."""
-    return split_state_dict_into_shards_factory(
-        {t.name: t for t in tensors}, get_storage_size=lambda t: t.nbytes,
-        filename_pattern=SAFETENSORS_FILENAME_PATTERN, max_shard_size=max_shard_size)
-
-
-def _header(tensors: Sequence[OutTensor]) -> bytes:
-    """safetensors header: u64 length, JSON, padded with spaces to 8 bytes."""
-    meta = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for t in tensors:
-        meta[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    raw = json.dumps(meta, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return len(raw).to_bytes(8, "little") + raw
+    return names.split_shards({t.name: t for t in tensors}, lambda t: t.nbytes, max_shard_size=max_shard_size)
 
 
 def shard_order(tensors: Sequence[OutTensor]) -> List[OutTensor]:
@@ -129,7 +109,7 @@ def write_shard(path, tensors: Sequence[OutTensor], progress=None) -> int:
     total = 0
     sources = {}
     with open(path, "wb") as fh:
-        fh.write(_header(tensors))
+        fh.write(encode_header((t.name, t.dtype, t.shape) for t in tensors))
         for t in tensors:
             got = 0
             for chunk in t.chunks():
@@ -190,43 +170,16 @@ def _copy_range(src: int, dst: int, r: FileRange) -> None:
 
 def write_index(directory, split, tensors: Sequence[OutTensor]) -> None:
     """Write ``model.safetensors.index.json`` (only meaningful when ``split.is_sharded``)."""
-    index = {"metadata": {"total_parameters": sum(t.nbytes // DTYPE_SIZES[t.dtype] for t in tensors),
-                          "total_size": sum(t.nbytes for t in tensors)},
-             "weight_map": dict(sorted(split.tensor_to_filename.items()))}
-    with open(os.path.join(directory, INDEX_NAME), "w", encoding="utf-8") as fh:
-        json.dump(index, fh, indent=2, sort_keys=True)
-        fh.write("\n")
+    names.write_index(directory, split.tensor_to_filename, total_size=sum(t.nbytes for t in tensors),
+                      total_parameters=sum(t.nbytes // DTYPE_SIZES[t.dtype] for t in tensors))
 
 
 def copy_config_files(config_dir: Optional[str], directory, skipped: Optional[List[str]] = None, *,
                       tensors: Optional[Sequence[OutTensor]] = None) -> List[str]:
-    """Copy the :data:`CONFIG_FILES` that ``config_dir`` holds into ``directory``; return their names.
-
-    Only regular files inside ``config_dir`` are copied (a link inside it is followed): a
-    ``tokenizer.json`` linked to a private key must not end up in an export that users upload.
-    Each file skipped is reported by a message appended to ``skipped`` (a warning when None).
-    With ``tensors``, ``config.json`` then records their dtype (:func:`set_config_dtype`).
-    """
-    copied = []
-    if config_dir:
-        for name in CONFIG_FILES:
-            p = os.path.join(config_dir, name)
-            if not os.path.lexists(p):
-                continue
-            problem = copyable_problem(p, config_dir)
-            if problem is not None:
-                if skipped is None:
-                    warnings.warn(problem, stacklevel=2)
-                else:
-                    skipped.append(problem)
-                continue
-            real, out = os.path.realpath(p), os.path.join(directory, name)
-            if real != os.path.realpath(out):  # a save-time hook writes into the config dir itself
-                shutil.copyfile(real, out)
-                copied.append(name)
-    if tensors is not None:
-        set_config_dtype(directory, tensors)
-    return copied
+    """The config files of ``config_dir`` copied into ``directory``, ``config.json`` recording the
+    dtype of ``tensors`` (:func:`~.formats.config.write_config`, the one config writer)."""
+    return write_config(directory, config_dir=config_dir, skipped=skipped,
+                        tensor_dtypes=[t.dtype for t in tensors or ()])
 
 
 @dataclass
@@ -249,30 +202,9 @@ def copy_adapter_config(path: str, directory, skipped: List[str]) -> List[str]:
     return [name]
 
 
-_CONFIG_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
-
-
 def set_config_dtype(directory, tensors: Sequence[OutTensor]) -> None:
-    """Record the floating dtype of ``tensors`` (when they share one) in ``directory/config.json``, as
-    ``save_pretrained`` does: ``dtype`` on transformers 5, ``torch_dtype`` before (a key the config
-    already holds is kept). No config.json: nothing to do."""
-    path = os.path.join(directory, "config.json")
-    floats = {t.dtype for t in tensors if t.dtype in _CONFIG_DTYPES}
-    if len(floats) != 1 or not os.path.isfile(path):
-        return
-    with open(path, encoding="utf-8") as fh:
-        cfg = json.load(fh)
-    from .sources.hub_layout import transformers_major
-
-    key = "dtype" if (transformers_major() or 0) >= 5 else "torch_dtype"
-    key = next((k for k in ("dtype", "torch_dtype") if k in cfg), key)
-    value = _CONFIG_DTYPES[floats.pop()]
-    if cfg.get(key) == value:
-        return
-    cfg[key] = value
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(cfg, fh, indent=2, sort_keys=True)
-        fh.write("\n")
+    """``directory/config.json`` records the dtype of ``tensors`` (:func:`~.formats.config.record_dtype`)."""
+    record_dtype(directory, [t.dtype for t in tensors])
 
 
 def fsync_dir(path) -> None:
@@ -539,9 +471,7 @@ def write_plan(plan: ExportPlan, dst, *, dtype: Optional[str] = None, max_shard_
     with MappedFiles() as files:
         tensors = plan_tensors(plan, dtype, files, ranges=True)
         if plan.adapter is not None:  # PeftModel.save_pretrained's one unsharded adapter file
-            from .sources.peft import ADAPTER_WEIGHTS_NAME
-
-            split = _OneFile({ADAPTER_WEIGHTS_NAME: [t.name for t in tensors]})
+            split = _OneFile({ADAPTER_SAFETENSORS_NAME: [t.name for t in tensors]})
         else:
             split = split_shards(tensors, max_shard_size)
         by_name = {t.name: t for t in tensors}

@@ -88,6 +88,9 @@ CASES = {
        for f in ("llama", "gpt2", "t5", "bert", "mixtral", "qwen2_moe", "llava")},
     "fam-mixtral-z2": ("family_train.py", 2, ["--family", "mixtral", "--stage", "2"]),
     "fam-cb-qwen2_moe-z3": ("family_trainer_cb.py", 2, ["--family", "qwen2_moe", "--stage", "3"]),
+    # torch DCP under FSDP2 (tests/test_dcp.py): plain fully_shard + dcp.save (vocab 1001 over 2 ranks),
+    # Accelerate save_state, the Trainer's checkpoint-N.
+    **{f"fsdp2-{m}": ("fsdp_train.py", 2, ["--mode", m]) for m in ("plain", "accelerate", "trainer")},
     # PEFT LoRA under the Trainer + callback + accelerator.save_model (tests/test_peft.py).
     "peft-z3": ("peft_trainer_run.py", 2, ["--stage", "3"]),
     "peft-z3-gather": ("peft_trainer_run.py", 2, ["--stage", "3", "--gather-on-save", "--adapter-name", "mine"]),

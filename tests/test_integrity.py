@@ -434,10 +434,11 @@ def test_verify_checks_the_source_crc(exported):
     assert "fails its CRC-32 check" in r.stdout and Path(piece.path).name in r.stdout
 
 
-def test_pure_python_cast_matches_torch():
-    """The export-time sample casts without torch: bit for bit what torch (and so DeepSpeed) does,
-    including ties, subnormals, overflow to inf and the fp16 range edge."""
-    from hf_ckpt_integrations.assemble import cast_f32
+def test_sample_cast_matches_torch():
+    """The planner's placement samples cast without torch, through the export's own rounding
+    (``casts.cast_bytes``): bit for bit what torch (and so DeepSpeed) does, including ties,
+    subnormals, overflow to inf and the fp16 range edge."""
+    from hf_ckpt_integrations.casts import cast_bytes
 
     g = torch.Generator().manual_seed(0)
     values = torch.randn(20000, generator=g) * torch.exp(torch.randn(20000, generator=g) * 12)
@@ -446,4 +447,5 @@ def test_pure_python_cast_matches_torch():
     raw = torch.cat([values, edges]).numpy().tobytes()
     for name, dtype in (("BF16", torch.bfloat16), ("F16", torch.float16)):
         want = torch.cat([values, edges]).to(dtype).view(torch.int16).numpy().tobytes()
-        assert b"".join(cast_f32(raw[i:i + 4], name) for i in range(0, len(raw), 4)) == want, name
+        assert b"".join(cast_bytes(raw[i:i + 4], "F32", name) for i in range(0, len(raw), 4)) == want, name
+        assert cast_bytes(raw, "F32", name) == want, name

@@ -185,7 +185,7 @@ def test_accelerate_save_model_writes_the_adapter_dir(engine_ckpt, name):
 @pytest.mark.engine
 @pytest.mark.parametrize("name", list(CASES))
 def test_export_writes_adapter_dir_and_verify_compares_it(engine_ckpt, name, tmp_path):
-    case, adapter = engine_ckpt(name), CASES[name]
+    case = engine_ckpt(name)
     ckpt = case / "run" / "checkpoint-4"
     r = hf_ckpt("inspect", ckpt)
     assert r.returncode == 0, r.stderr

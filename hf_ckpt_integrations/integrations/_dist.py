@@ -15,27 +15,21 @@ Ranks come from ``torch.distributed`` when it is initialised, never from Acceler
 (which on a CPU-only DeepSpeed launch reports one process on every rank).
 """
 
-import json
 import os
-import re
 import shutil
 from typing import Dict, List, Optional, Sequence
 
 from ..errors import CheckpointError
-from ..plan import dtype_from_name
+from ..formats.dtypes import from_user as dtype_from_name, to_torch as torch_dtype
+from ..formats.names import BIN_INDEX as BIN_INDEX_NAME, BIN_PATTERN, SAVED_WEIGHTS_RE, split_shards as _split_names
+from ..formats.safetensors import floating_dtypes
 from ..writer import (INDEX_NAME, MAX_SHARD_SIZE, OutTensor, copy_config_files, fsync_dir, shard_order,
                       split_shards, write_index, write_shard)
 
 __all__ = ["SaveError", "rank_world", "barrier", "all_ranks_ok", "broadcast_from_0", "write_distributed",
            "existing_weights", "existing_weights_dtype", "remove_weights", "consolidate_checkpoint", "STAGING_NAME"]
 
-BIN_PATTERN = "pytorch_model{suffix}.bin"
-BIN_INDEX_NAME = "pytorch_model.bin.index.json"
-
 STAGING_NAME = ".hfckpt-tmp-weights"
-# Weight files save_pretrained / Accelerate may have written (replaced as a whole, never mixed).
-_WEIGHT_RE = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
-                        r"pytorch_model(-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.json)$")
 
 
 class SaveError(CheckpointError):
@@ -97,7 +91,7 @@ def all_ranks_ok(error: Optional[BaseException], what: str, context: str = "") -
 
 def existing_weights(directory) -> List[str]:
     try:
-        return sorted(n for n in os.listdir(directory) if _WEIGHT_RE.match(n))
+        return sorted(n for n in os.listdir(directory) if SAVED_WEIGHTS_RE.match(n))  # replaced as a whole
     except FileNotFoundError:
         return []
 
@@ -108,13 +102,7 @@ def existing_weights_dtype(directory) -> Optional[str]:
     names = [n for n in existing_weights(directory) if n.endswith(".safetensors")]
     if not names:
         return None
-    dtypes = set()
-    for n in names:
-        with open(os.path.join(directory, n), "rb") as fh:
-            size = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(size))
-        dtypes |= {v["dtype"] for k, v in header.items() if k != "__metadata__" and v["dtype"] in
-                   ("F64", "F32", "F16", "BF16")}
+    dtypes = floating_dtypes(os.path.join(directory, n) for n in names)
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
@@ -162,13 +150,13 @@ def drain(t: OutTensor) -> None:
 def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_SHARD_SIZE,
                       collective: bool = False, config_dir: Optional[str] = None,
                       replace_existing: bool = True, what: str = "HF export", fmt: str = "safetensors",
-                      filename: Optional[str] = None) -> dict:
+                      one_file: Optional[str] = None) -> dict:
     """Write ``tensors`` as HF weights into the existing-or-new directory ``dst`` (see module doc).
 
     Called by every rank with the same ``tensors``. Existing weight files in ``dst`` are removed
     only after every rank has written its shards (``replace_existing``); other files are kept.
     Returns ``{"files": [...], "tensor_bytes": n, "written_here": [...]}``. Raises
-    :class:`SaveError` on every rank when any rank failed. ``filename``: write all ``tensors`` into
+    :class:`SaveError` on every rank when any rank failed. ``one_file``: write all ``tensors`` into
     that one file (a PEFT adapter's ``adapter_model.safetensors``) instead of ``model*.safetensors``.
     """
     rank, world = rank_world()
@@ -176,10 +164,10 @@ def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_S
     staging = os.path.join(dst, STAGING_NAME)
     if fmt not in ("safetensors", "bin"):
         raise ValueError(f"fmt={fmt!r}; use 'safetensors' or 'bin'")
-    if filename is not None:
+    if one_file is not None:
         from types import SimpleNamespace
 
-        split = SimpleNamespace(filename_to_tensors={filename: [t.name for t in tensors]}, is_sharded=False)
+        split = SimpleNamespace(filename_to_tensors={one_file: [t.name for t in tensors]}, is_sharded=False)
     else:
         split = _split(tensors, max_shard_size, fmt)
     by_name = {t.name: t for t in tensors}
@@ -230,10 +218,8 @@ def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_S
 def _split(tensors, max_shard_size, fmt):
     if fmt == "safetensors":
         return split_shards(list(tensors), max_shard_size)
-    from huggingface_hub import split_state_dict_into_shards_factory
-
-    return split_state_dict_into_shards_factory({t.name: t for t in tensors}, get_storage_size=lambda t: t.nbytes,
-                                                filename_pattern=BIN_PATTERN, max_shard_size=max_shard_size)
+    return _split_names({t.name: t for t in tensors}, lambda t: t.nbytes, max_shard_size=max_shard_size,
+                        pattern=BIN_PATTERN)
 
 
 def _write_one(path, tensors, fmt):
@@ -242,8 +228,6 @@ def _write_one(path, tensors, fmt):
     # torch.save writes whole storages: give each tensor a storage of exactly its own bytes
     # (one shard in memory, never a view of a flat buffer — seed 002).
     import torch
-
-    from ..assemble import _torch_dtype
 
     shard = {}
     for t in shard_order(tensors):
@@ -255,8 +239,8 @@ def _write_one(path, tensors, fmt):
             pos += n
         if pos != t.nbytes:
             raise CheckpointError(f"{t.name}: produced {pos} bytes, expected {t.nbytes}; please report this")
-        shard[t.name] = (torch.frombuffer(buf, dtype=_torch_dtype(t.dtype)) if t.nbytes else
-                         torch.empty(0, dtype=_torch_dtype(t.dtype))).view(t.shape)
+        shard[t.name] = (torch.frombuffer(buf, dtype=torch_dtype(t.dtype)) if t.nbytes else
+                         torch.empty(0, dtype=torch_dtype(t.dtype))).view(t.shape)
     with open(path, "wb") as fh:
         torch.save(shard, fh)
         fh.flush()

@@ -31,7 +31,9 @@ import logging
 import os
 from typing import Optional
 
-from ..writer import MAX_SHARD_SIZE, set_config_dtype
+from ..formats.config import write_config
+from ..formats.dtypes import training_dtype
+from ..writer import MAX_SHARD_SIZE
 from ._dist import SaveError, all_ranks_ok, consolidate_checkpoint, rank_world, write_distributed
 
 __all__ = ["install_accelerate_hooks", "save_model"]
@@ -49,31 +51,13 @@ def _supported(accelerator) -> bool:
                   DistributedType.MULTI_GPU)
 
 
-def _write_config(model, directory) -> None:
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        import copy
-
-        from transformers import PreTrainedModel
-
-        config = copy.deepcopy(config)
-        if isinstance(model, PreTrainedModel):
-            config.architectures = [type(model).__name__]  # as save_pretrained records it
-        config.save_pretrained(directory)
-        gen = getattr(model, "generation_config", None)
-        if gen is not None and hasattr(gen, "save_pretrained") and getattr(model, "can_generate", lambda: False)():
-            gen.save_pretrained(directory)
-
-
 def _write_config_on_rank0(module, directory, tensors=None) -> None:
     """Rank 0 writes config.json (with the dtype of ``tensors``, as save_pretrained records it); a
     failure there raises on every rank. Collective."""
     error = None
     if rank_world()[0] == 0:
         try:
-            _write_config(module, directory)
-            if tensors is not None:
-                set_config_dtype(directory, tensors)
+            write_config(directory, model=module, tensor_dtypes=[t.dtype for t in tensors or ()])
         except Exception as e:
             error = e
     all_ranks_ok(error, f"writing config.json into {directory}")
@@ -111,21 +95,15 @@ def _save_state_pre_hook(accelerator, dtype, max_shard_size):
         if accelerator.distributed_type != DistributedType.DEEPSPEED:
             # Accelerate writes model.safetensors itself here; make it loadable with the config.
             if rank_world()[0] == 0 and models:
-                _write_config(accelerator.unwrap_model(models[0]), output_dir)
+                write_config(output_dir, model=accelerator.unwrap_model(models[0]))
             return
         # save_state has already run model.save_checkpoint(output_dir, "pytorch_model") on all ranks.
         module = accelerator.unwrap_model(models[0])
         _write_config_on_rank0(module, output_dir)
-        consolidate_checkpoint(output_dir, tag="pytorch_model", dtype=dtype or _training_dtype(module),
+        consolidate_checkpoint(output_dir, tag="pytorch_model", dtype=dtype or training_dtype(module),
                                max_shard_size=max_shard_size,
                                what=f"accelerator.save_state HF copy in {output_dir}")
     return hook
-
-
-def _training_dtype(module) -> Optional[str]:
-    names = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
-    seen = {str(p.dtype) for p in module.parameters() if p.is_floating_point()}
-    return names.get(seen.pop()) if len(seen) == 1 else None
 
 
 def install_accelerate_hooks(accelerator, *, dtype: Optional[str] = None, save_state_weights: bool = False,

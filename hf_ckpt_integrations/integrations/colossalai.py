@@ -23,6 +23,7 @@ import functools
 import logging
 from typing import Optional
 
+from ..formats.config import write_config
 from ._dist import all_ranks_ok, rank_world, write_distributed
 
 __all__ = ["install_colossalai_hooks", "save_model"]
@@ -70,7 +71,7 @@ def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, d
     error = None
     if rank_world()[0] == 0:
         try:
-            _write_config(module, checkpoint, dtype)
+            write_config(checkpoint, model=module, tensor_dtypes=[t.dtype for t in tensors])
         except Exception as e:
             error = e
     all_ranks_ok(error, f"writing config.json into {checkpoint}")
@@ -89,24 +90,6 @@ def _check_hub_layout(module, infos) -> None:
             raise LayoutError(f"{source}: save_pretrained writes it as {name} (a Hub-layout conversion) and the "
                               "ColossalAI hook does not convert; save with the booster's own save_model, or "
                               "use transformers 4.x")
-
-
-def _write_config(module, directory, dtype: Optional[str] = None) -> None:
-    """``config.json`` as ``save_pretrained`` writes it (``architectures``, ``torch_dtype`` set)."""
-    import copy
-
-    config = getattr(module, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        config = copy.deepcopy(config)
-        config.architectures = [type(module).__name__]
-        floats = [p.dtype for p in module.parameters() if p is not None and p.is_floating_point()]
-        names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-        if dtype in names or floats:
-            config.torch_dtype = names.get(dtype) or str(floats[0]).replace("torch.", "")
-        config.save_pretrained(directory)
-        gen = getattr(module, "generation_config", None)
-        if gen is not None and hasattr(gen, "save_pretrained"):
-            gen.save_pretrained(directory)
 
 
 def install_colossalai_hooks(booster, *, dtype: Optional[str] = None):

@@ -25,25 +25,13 @@ from typing import Optional
 
 from transformers import TrainerCallback
 
-from ..plan import dtype_from_name
+from ..formats.dtypes import from_user as dtype_from_name, training_dtype
 from ..writer import MAX_SHARD_SIZE
 from ._dist import barrier, consolidate_checkpoint, existing_weights
 
 __all__ = ["ConsolidatedCheckpointCallback", "consolidate_checkpoint", "save_model", "training_dtype"]
 
 logger = logging.getLogger(__name__)
-
-_TORCH_TO_NAME = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
-
-
-def training_dtype(model) -> Optional[str]:
-    """``"fp32"``/``"bf16"``/``"fp16"``: the dtype of ``model``'s floating parameters (ZeRO-3 keeps
-    it on the partitioned parameters too); ``None`` when mixed or unknown."""
-    if model is None:
-        return None
-    seen = {str(p.dtype) for p in model.parameters() if p.is_floating_point()}
-    return _TORCH_TO_NAME.get(seen.pop()) if len(seen) == 1 else None
-
 
 def _has_engine_checkpoint(directory) -> bool:
     return os.path.isfile(os.path.join(directory, "latest")) or any(

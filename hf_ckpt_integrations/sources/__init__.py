@@ -50,7 +50,7 @@ def _build_plan(src, tag, dtype, config, tp_rules):
 
 
 def _engine_plan(src, tag, dtype, config, tp_rules):
-    from . import deepspeed, hf_dir, hub_layout, universal
+    from . import dcp, deepspeed, hf_dir, hub_layout, universal
 
     # A universal checkpoint (ds_to_universal output): the directory itself, or a tag naming one.
     for cand in ([os.path.join(src, tag)] if tag else []) + [src]:
@@ -62,6 +62,17 @@ def _engine_plan(src, tag, dtype, config, tp_rules):
                 deepspeed.drop_tied_aliases(plan)
                 hub_layout.convert_plan(plan)
             return plan
+    # A torch DCP checkpoint (FSDP, Accelerate save_state, Trainer checkpoint-N under FSDP, torchtitan);
+    # it comes before HF weights beside it (a checkpoint-N the save-time callback completed).
+    dcp_dir = dcp.find_dcp_dir(src) if tag is None else None
+    if dcp_dir is not None:
+        config_dir = config if config is not None else deepspeed.find_config_dir(
+            [src, dcp_dir, os.path.dirname(os.path.abspath(src))])
+        plan = dcp.build_plan(dcp_dir, config_dir=config_dir, source=os.path.abspath(src))
+        if config_dir is not None:
+            dcp.tie_aliases(plan)
+            hub_layout.convert_plan(plan)
+        return plan
     # An HF-format directory (ColossalAI's own save, save_pretrained, an earlier export) — unless it
     # also holds a DeepSpeed checkpoint (a Trainer checkpoint-N), whose fp32 masters come first.
     if tag is None and hf_dir.is_hf_dir(src) and not _has_deepspeed(src):

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import LayoutError
-from ..plan import dtype_from_name
-from .live import LiveTensor, _own_bytes, _st_dtype
+from ..formats.dtypes import FLOATS, from_torch, from_user as dtype_from_name, to_torch
+from .live import LiveTensor, own_bytes
 
 __all__ = ["TensorInfo", "describe_model", "bind_tensors", "local_tensors"]
 
@@ -103,7 +103,7 @@ def _local_record(name, t) -> dict:
     from colossalai.tensor.d_tensor.api import is_customized_distributed_tensor
     from colossalai.tensor.padded_tensor import is_padded_tensor
 
-    rec = {"name": name, "dtype": _st_dtype(t.dtype), "local_shape": tuple(t.shape), "shard_dim": None,
+    rec = {"name": name, "dtype": from_torch(t.dtype), "local_shape": tuple(t.shape), "shard_dim": None,
            "group": None, "global_shape": tuple(t.shape), "padding": None}
     if is_customized_distributed_tensor(t):
         raise LayoutError(f"{name}: a customized distributed tensor (e.g. a fused QKV split) has no generic "
@@ -193,9 +193,7 @@ def _gathered(info: TensorInfo, local, sources: Sequence[int], me: int, device):
     import torch
     import torch.distributed as dist
 
-    from ..assemble import _torch_dtype
-
-    dtype = _torch_dtype(info.dtype)
+    dtype = to_torch(info.dtype)
     pieces = []
     for src in sources:
         if src == me:
@@ -227,17 +225,17 @@ def bind_tensors(infos: Sequence[TensorInfo], module, writer_of: Callable[[str],
     mine = dict(local_tensors(module))
     device = next((t.device for t in mine.values()), torch.device("cpu"))
     st_target = dtype_from_name(dtype)
-    cast = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(st_target)
+    cast = to_torch(st_target) if st_target else None
     out = []
     for info in infos:
         writer = writer_of(info.name)
         sources = info.sources(writer)
         local = mine.get(info.name)
-        out_dtype = st_target if (st_target and info.dtype in ("F32", "BF16", "F16", "F64")) else info.dtype
+        out_dtype = st_target if (st_target and info.dtype in FLOATS) else info.dtype
 
         def chunks(info=info, local=local, sources=sources):
             full = _gathered(info, local, sources, me, device)
-            yield _own_bytes(full, cast)
+            yield own_bytes(full, cast)
 
         def drain(info=info, local=local, sources=sources, writer=writer):
             if me == writer:

@@ -502,7 +502,7 @@ def _prove_places(ranks, group, names, frags, parts, copies, model_path):
 
     Raises :class:`LayoutError` naming the file and the element that disagrees.
     """
-    from ..assemble import cast_f32
+    from ..casts import cast_bytes  # numpy: the one rounding implementation (bitwise torch's)
 
     by_rank = {r: [] for r in range(len(parts))}  # rank -> [(local start, count, name, offset in param)]
     for name, fr in zip(names, frags):
@@ -521,7 +521,7 @@ def _prove_places(ranks, group, names, frags, parts, copies, model_path):
                     continue
                 master = bytes(files.read(*_one(parts[r], pos)))
                 want = bytes(files.read(*_one(copy, hit[1])))
-                got = cast_f32(master, copy.dtype)
+                got = cast_bytes(master, "F32", copy.dtype)
                 if got != want and not (_is_nan(got, copy.dtype) and _is_nan(want, copy.dtype)):
                     raise LayoutError(
                         f"{ranks[r].path}: its fp32 partition of parameter group {group} does not match the "

@@ -6,68 +6,34 @@ audit of every weight file (seed 002: ``.bin`` files whose tensors are views of 
 storages); ``export`` rewrites the tensors as lean safetensors; ``verify`` compares against it.
 """
 
-import json
 import os
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
-from .. import lean, safe_load
-from ..errors import CheckpointError, LayoutError, one_line
+from .. import safe_load
+from ..errors import CheckpointError, LayoutError
+from ..formats.dtypes import SIZES
+from ..formats.names import has_weights, weight_names
+from ..formats.safetensors import read_hf_dir
 from ..plan import ExportPlan, Piece, TensorPlan
-from ..verify import read_hf_dir
+from .audit import audit
 
 __all__ = ["is_hf_dir", "build_plan"]
 
-_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-_SINGLES = ("model.safetensors", "pytorch_model.bin")
-
 
 def is_hf_dir(path: str) -> bool:
-    return any(os.path.isfile(os.path.join(path, n)) for n in _INDEXES + _SINGLES)
-
-
-def _index_files(index: str) -> List[str]:
-    """The weight files an HF index names: ``{"weight_map": {tensor: file}}``, each file a plain
-    name in the same directory (never a path that leads out of it)."""
-    try:
-        with open(index, encoding="utf-8") as fh:
-            weight_map = json.load(fh)["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index}: unreadable index ({one_line(str(e))[:200]}); save the model again") from e
-    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                   for k, v in weight_map.items()):
-        raise CheckpointError(f"{index}: 'weight_map' is not a mapping of tensor names to file names; save the "
-                              "model again")
-    files = sorted(set(weight_map.values()))
-    bad = [f for f in files if not f or f in (".", "..") or "/" in f or "\\" in f or "\0" in f]
-    if bad:
-        raise CheckpointError(f"{index}: names weight file {one_line(bad[0][:64])!r}, which is not a file name "
-                              "in this directory; save the model again")
-    return files
-
-
-def _weight_files(path: str) -> List[str]:
-    """The weight files of the HF directory ``path`` (names): those its index names, or the single file."""
-    for index, single in zip(_INDEXES, _SINGLES):
-        if os.path.isfile(os.path.join(path, index)):
-            return _index_files(os.path.join(path, index))
-        if os.path.isfile(os.path.join(path, single)):
-            return [single]
-    return []
+    return has_weights(path)
 
 
 def build_plan(path: str, *, config_dir: Optional[str] = None) -> ExportPlan:
     path = os.path.abspath(path)
     tensors: Dict[str, TensorPlan] = {}
-    weight_files = _weight_files(path)  # checks the index before anything reads through it
-    if any(os.path.isfile(os.path.join(path, n)) for n in ("model.safetensors", "model.safetensors.index.json")):
+    found = weight_names(path)  # checks the index before anything reads through it
+    weight_files = found[2] if found else []
+    if found and found[0] == "safetensors":
+        # read_hf_dir validates every header: a dtype not in formats.dtypes (F8...) is refused there.
         for name, (f, dtype, shape, offset, nbytes) in read_hf_dir(path).items():
-            if dtype not in safe_load.DTYPE_SIZES:
-                raise CheckpointError(f"{f}: tensor {one_line(name[:100])} has dtype {one_line(str(dtype)[:20])}, "
-                                      f"which hf-ckpt does not export yet (it reads "
-                                      f"{', '.join(safe_load.DTYPE_SIZES)}); load this directory with "
-                                      "from_pretrained instead")
-            tensors[name] = TensorPlan(name, shape, dtype, [[Piece(f, offset, nbytes // safe_load.DTYPE_SIZES[dtype],
-                                                                   dtype)]], kind="module")
+            tensors[name] = TensorPlan(name, shape, dtype, [[Piece(f, offset, nbytes // SIZES[dtype], dtype)]],
+                                       kind="module")
     else:
         for fname in weight_files:
             f = os.path.join(path, fname)
@@ -83,7 +49,7 @@ def build_plan(path: str, *, config_dir: Optional[str] = None) -> ExportPlan:
                                                 [[Piece(f, offset, ref.numel, ref.dtype)]], kind="module")
     if not tensors:
         raise CheckpointError(f"{path}: no tensors in its weight files; save the model again")
-    report = lean.audit(path, files=weight_files)  # the weights only: never optimizer.pt & co. (Trainer)
+    report = audit(path, files=weight_files)  # the weights only: never optimizer.pt & co. (Trainer)
     notes = [f"{name}: {r['storage_bytes']:,} storage bytes for {r['tensor_bytes']:,} tensor bytes "
              f"(x{r['ratio']})" + (" — bloated: views of larger storages (seed 002); export writes only "
                                    "each tensor's own bytes" if r["ratio"] > 1.01 else "")

@@ -28,6 +28,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import LayoutError
 
+from ..formats.config import transformers_major  # re-exported: the hooks and tests ask here
+
 __all__ = ["HubTensor", "meta_model", "transformers_major", "hub_layout", "describe_conversions", "convert_plan",
            "live_layout",
            "tied_renames"]
@@ -120,17 +122,6 @@ def _keep_views():
             return func(*args, **(kwargs or {}))
 
     return KeepViews()
-
-
-def transformers_major() -> Optional[int]:
-    """The installed transformers' major version, from the package metadata (importing transformers
-    imports torch: a few seconds and hundreds of MB for a question about a version); None without it."""
-    import importlib.metadata as md
-
-    try:
-        return int(md.version("transformers").split(".")[0])
-    except (md.PackageNotFoundError, ValueError):
-        return None
 
 
 def _revert():

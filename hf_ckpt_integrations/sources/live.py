@@ -34,13 +34,10 @@ import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
-from ..plan import dtype_from_name
+from ..formats.dtypes import from_torch, from_user as dtype_from_name, to_torch
 from ..writer import OutTensor
 
-__all__ = ["LiveTensor", "live_tensors", "reads_are_collective"]
-
-_ST_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-             "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+__all__ = ["LiveTensor", "live_tensors", "reads_are_collective", "own_bytes"]
 
 
 @dataclass
@@ -50,15 +47,7 @@ class LiveTensor(OutTensor):
     drain: Optional[Callable[[], None]] = None
 
 
-def _st_dtype(torch_dtype) -> str:
-    name = str(torch_dtype).replace("torch.", "")
-    try:
-        return _ST_NAMES[name]
-    except KeyError:
-        raise ValueError(f"tensor dtype {torch_dtype} has no safetensors name; convert it before saving") from None
-
-
-def _own_bytes(t, cast):
+def own_bytes(t, cast):
     """``t``'s own bytes (a view of a larger storage yields only its elements), as a memoryview."""
     import torch
 
@@ -92,10 +81,8 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> List[Li
     ``select``: ``name -> output name or None``: only the tensors it names, under those names, and no
     Hub-layout conversion (a PEFT adapter, :mod:`.peft`); the others are never read (or gathered).
     """
-    import torch
-
     st_target = dtype_from_name(dtype)
-    cast = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(st_target)
+    cast = to_torch(st_target) if st_target else None
     state = module.state_dict(keep_vars=True)
     if select is not None:
         state = {n: t for n, t in state.items() if select(n) is not None}
@@ -113,14 +100,14 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> List[Li
             continue  # tied: written once, under the first name (or the one save_pretrained keeps)
         seen[key] = name
         floating = t.is_floating_point()
-        out_dtype = st_target if (st_target and floating) else _st_dtype(t.dtype)
+        out_dtype = st_target if (st_target and floating) else from_torch(t.dtype)
         owner = owners.get(name.rpartition(".")[0])
         if getattr(t, "ds_is_replaced_module", False):
             shape, read = _autotp_reader(name, t, owner, cast)
         elif hasattr(t, "ds_id") and hasattr(t, "ds_shape"):
             shape, read = tuple(t.ds_shape), _zero3_reader(t, cast)
         else:
-            shape, read = tuple(t.shape), (lambda lo, hi, t=t: iter((_own_bytes(_flat(t)[lo:hi], cast),)))
+            shape, read = tuple(t.shape), (lambda lo, hi, t=t: iter((own_bytes(_flat(t)[lo:hi], cast),)))
         sources[name] = (shape, out_dtype, read)
 
     if select is not None:
@@ -155,7 +142,7 @@ def _zero3_reader(param, cast):
 
         if param.ds_status == ZeroParamStatus.AVAILABLE:
             # Persistent (or already gathered): whole on every rank; no rank exchanges anything.
-            yield _own_bytes(_flat(param.data)[lo:hi], cast)
+            yield own_bytes(_flat(param.data)[lo:hi], cast)
             return
         if _streamable(param):
             yield from _partitions(param, cast, lo, hi)
@@ -164,7 +151,7 @@ def _zero3_reader(param, cast):
 
         # modifier_rank=None: read-only gather; re-partitioned (memory freed) on exit.
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-            yield _own_bytes(_flat(param.data)[lo:hi], cast)
+            yield own_bytes(_flat(param.data)[lo:hi], cast)
 
     return read
 
@@ -220,7 +207,7 @@ def _partitions(param, cast, lo, hi):
         work.wait()
         a, b = max(lo, r * n) - r * n, min(hi, (r + 1) * n) - r * n
         if b > a:
-            yield _own_bytes(t[a:b], cast)
+            yield own_bytes(t[a:b], cast)
 
 
 def _autotp_full_shape(name, param, owner):
@@ -254,6 +241,6 @@ def _autotp_reader(name, param, owner, cast):
 
     def read(lo, hi):
         with gathered() as full:
-            yield _own_bytes(_flat(full)[lo:hi], cast)
+            yield own_bytes(_flat(full)[lo:hi], cast)
 
     return full_shape, read

@@ -26,8 +26,8 @@ __all__ = ["ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "adapter_names_in", "s
            "read_adapter_config", "adapter_plan", "adapter_summary", "is_peft_model", "check_not_empty",
            "adapter_out_dir"]
 
-ADAPTER_CONFIG_NAME = "adapter_config.json"
-ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+from ..formats.names import ADAPTER_CONFIG_NAME  # noqa: E402  (re-exported)
+from ..formats.names import ADAPTER_SAFETENSORS_NAME as ADAPTER_WEIGHTS_NAME  # noqa: E402
 _CONFIG_LIMIT = 1 << 20
 
 # A LoRA parameter: `<module>.lora_A.<adapter>.weight`, `<module>.lora_embedding_A.<adapter>`,

@@ -1,0 +1,330 @@
+"""torch Distributed Checkpoint (DCP) directories -> :class:`~..plan.ExportPlan`.
+
+What ``torch.distributed.checkpoint.save`` writes with its ``FileSystemWriter`` (FSDP2
+``fully_shard``, FSDP1 ``SHARDED_STATE_DICT``, Accelerate ``save_state``, the Trainer's
+``checkpoint-N/pytorch_model_fsdp_0``, torchtitan): a ``.metadata`` pickle and ``*.distcp``
+files. ``.metadata`` (a ``Metadata`` dataclass) records every state-dict entry: for a tensor its
+global size, dtype and chunks (N-D ``offsets``/``sizes``, one per rank's shard), and for each
+chunk (keyed by ``MetadataIndex(fqn, offsets)``) a ``_StorageInfo(relative_path, offset,
+length)``: bytes ``[offset, offset + length)`` of that ``.distcp`` file hold the chunk as one
+``torch.save`` zip archive. ``planner_data`` maps each flattened key to its path in the nested
+state dict (``("model", "model.embed_tokens.weight")`` under Accelerate).
+
+Nothing here imports torch or runs the pickles: ``.metadata`` is read by
+:func:`~..safe_load.loads` with the allowlist :data:`ALLOWED` (the DCP dataclasses rebuilt as
+inert :class:`~..safe_load.Record` s), each chunk's archive by :func:`~..safe_load.load` over its
+byte range, so an output tensor is the chunks' byte ranges laid end to end (dim-0 shards), or
+slices concatenated along one other dimension (a 2-D mesh). Optimizer state and non-tensor
+entries are skipped.
+"""
+
+import math
+import os
+from typing import Dict, List, Optional, Tuple
+
+from .. import safe_load
+from ..errors import CheckpointError, LayoutError, one_line
+from ..plan import ExportPlan, Piece, TensorPlan
+from ..safe_load import Record, record_type, short_repr
+
+__all__ = ["ALLOWED", "find_dcp_dir", "read_metadata", "build_plan", "DcpTensor"]
+
+METADATA = ".metadata"
+# Where Accelerate's save_state / save_model and the Trainer put the model's DCP checkpoint.
+_ACCELERATE_DIRS = ("pytorch_model_fsdp_0",)
+# Top-level state-dict entries that are not the model (torchtitan, Accelerate, hand-written saves).
+_NOT_MODEL = {"optimizer", "optim", "optimizers", "optimizer_state", "lr_scheduler", "lr_schedulers", "scheduler",
+              "dataloader", "train_state", "rng", "rng_state", "extra_state", "step", "epoch"}
+
+
+def _layout(name):
+    if type(name) is not str:
+        raise CheckpointError(f"torch layout {short_repr(name)} is not a name")
+    return name
+
+
+def _mem_format(value):
+    if type(value) is not int:
+        raise CheckpointError(f"memory format {short_repr(value)} is not a number")
+    return value
+
+
+def _path(*parts):
+    # StorageMeta.checkpoint_id, a pathlib path: a string of atoms, never used for reading
+    if len(parts) > 256 or not all(type(p) is str for p in parts):
+        raise CheckpointError(f"path {short_repr(parts)} is not made of strings")
+    return "/".join(parts)
+
+
+_RECORDS = {name: record_type(name) for name in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+    "MetadataIndex", "StorageMeta", "_StorageInfo")}
+_META = {n: _RECORDS[n] for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                                  "TensorProperties", "MetadataIndex", "StorageMeta")}
+# module -> name -> stand-in: what torch's own DCP writers pickle into .metadata (torch 2.2 -> 2.13).
+ALLOWED = {
+    "torch": dict(safe_load.TORCH_GLOBALS),
+    "torch.serialization": {"_get_layout": _layout},
+    "torch.distributed.checkpoint.metadata": {**_META, "_MEM_FORMAT_ENCODING": _mem_format},
+    # torch < 2.4 kept TensorProperties with the sharded-tensor metadata
+    "torch.distributed._shard.sharded_tensor.metadata": {"TensorProperties": _RECORDS["TensorProperties"],
+                                                         "MEM_FORMAT_ENCODING": _mem_format},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo": _RECORDS["_StorageInfo"]},
+    "pathlib": {"PosixPath": _path, "PurePosixPath": _path, "WindowsPath": _path, "PureWindowsPath": _path,
+                "Path": _path},
+}
+
+
+class DcpTensor:
+    """One tensor entry of ``.metadata``: dtype (safetensors name), global ``size`` and its chunks
+    ``[(offsets, sizes)]``."""
+
+    def __init__(self, dtype: str, size: Tuple[int, ...], chunks: List[Tuple[Tuple[int, ...], Tuple[int, ...]]]):
+        self.dtype, self.size, self.chunks = dtype, size, chunks
+
+
+def find_dcp_dir(src: str) -> Optional[str]:
+    """The DCP checkpoint directory ``src`` is or holds (Accelerate/Trainer's ``pytorch_model_fsdp_0``)."""
+    for cand in [src] + [os.path.join(src, d) for d in _ACCELERATE_DIRS]:
+        if os.path.isfile(os.path.join(cand, METADATA)) and _is_pickle(os.path.join(cand, METADATA)):
+            return cand
+    return None
+
+
+def _is_pickle(path):
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(1) == b"\x80"  # PROTO: torch pickles .metadata; the HF writer's is JSON
+    except OSError:
+        return False
+
+
+def _ints(value, what, where) -> Tuple[int, ...]:
+    if type(value) is not tuple or len(value) > safe_load.MAX_NDIM or \
+            not all(type(v) is int and v >= 0 for v in value):
+        raise LayoutError(f"{where}: {what} {short_repr(value)} is not a list of non-negative integers; the "
+                          "checkpoint is corrupt or crafted: copy it again from the training run")
+    return value
+
+
+def _record(value, kind, where, what) -> Record:
+    if not isinstance(value, Record) or value.kind != kind:
+        raise LayoutError(f"{where}: {what} is {short_repr(value)}, not a {kind}; the checkpoint is corrupt or "
+                          "crafted, or written by a torch release hf-ckpt does not know: please report it")
+    return value
+
+
+def read_metadata(dcp_dir: str):
+    """``(tensors, storage, paths)`` of ``dcp_dir/.metadata``: ``{fqn: DcpTensor}`` (non-tensor entries
+    left out), ``{(fqn, offsets): (file name, offset, length)}`` and ``{fqn: path in the nested state
+    dict}``. Every value is checked; anything else is a :class:`LayoutError` naming the file."""
+    where = os.path.join(dcp_dir, METADATA)
+    md = _record(safe_load.loads(where, allowed=ALLOWED), "Metadata", where, "the file")
+    sd_meta = md.field("state_dict_metadata")
+    if type(sd_meta) is not dict:
+        raise LayoutError(f"{where}: no state_dict_metadata; not a torch DCP checkpoint, save it again")
+    tensors: Dict[str, DcpTensor] = {}
+    for fqn, entry in sd_meta.items():
+        if type(fqn) is not str:
+            raise LayoutError(f"{where}: key {short_repr(fqn)} is not a name; the checkpoint is corrupt")
+        if isinstance(entry, Record) and entry.kind == "BytesStorageMetadata":
+            continue
+        entry = _record(entry, "TensorStorageMetadata", where, f"entry {one_line(fqn[:100])}")
+        props = _record(entry.field("properties"), "TensorProperties", where, f"{one_line(fqn[:100])} properties")
+        state = props.state
+        dtype = state[0] if type(state) is tuple and state else props.field("dtype")
+        if not isinstance(dtype, str) or dtype not in safe_load.DTYPE_SIZES:
+            raise LayoutError(f"{where}: {one_line(fqn[:100])} has dtype {short_repr(dtype)}, which hf-ckpt does not "
+                              f"export (it reads {', '.join(safe_load.DTYPE_SIZES)})")
+        size = _ints(entry.field("size"), f"{one_line(fqn[:100])} size", where)
+        chunks = entry.field("chunks")
+        if type(chunks) is not list:
+            raise LayoutError(f"{where}: {one_line(fqn[:100])} has no chunk list; the checkpoint is corrupt")
+        placed = []
+        for c in chunks:
+            c = _record(c, "ChunkStorageMetadata", where, f"a chunk of {one_line(fqn[:100])}")
+            placed.append((_ints(c.field("offsets"), "chunk offsets", where), _ints(c.field("sizes"), "chunk sizes",
+                                                                                  where)))
+        tensors[fqn] = DcpTensor(dtype, size, placed)
+    storage = {}
+    sdata = md.field("storage_data")
+    if type(sdata) is not dict:
+        raise LayoutError(f"{where}: no storage_data (written by a storage writer other than FileSystemWriter?); "
+                          "hf-ckpt reads DCP checkpoints of torch's FileSystemWriter")
+    for index, info in sdata.items():
+        index = _record(index, "MetadataIndex", where, "a storage key")
+        info = _record(info, "_StorageInfo", where, "a storage entry")
+        fqn, offsets = index.field("fqn"), index.field("offset")
+        rel, off, length = info.field("relative_path"), info.field("offset"), info.field("length")
+        if type(fqn) is not str or type(rel) is not str or type(off) is not int or type(length) is not int \
+                or off < 0 or length < 0:
+            raise LayoutError(f"{where}: storage entry {short_repr(info.state)} is malformed; the checkpoint is "
+                              "corrupt or crafted: copy it again from the training run")
+        if fqn not in tensors:
+            continue
+        if not rel or rel in (".", "..") or "/" in rel or "\\" in rel or "\0" in rel:
+            raise LayoutError(f"{where}: names data file {one_line(rel[:64])!r}, which is not a file name in "
+                              f"{dcp_dir}; the checkpoint is corrupt or crafted")
+        if info.field("transform_descriptors"):
+            raise LayoutError(f"{where}: {one_line(fqn[:100])} is stored through storage-writer extensions "
+                              f"{short_repr(info.field('transform_descriptors'))} (e.g. compression); hf-ckpt reads "
+                              "chunks FileSystemWriter stores plainly: save without _extensions")
+        storage[(fqn, _ints(tuple(offsets) if type(offsets) in (tuple, list) else offsets, "storage offsets",
+                            where))] = (rel, off, length)
+    planner = md.field("planner_data")
+    paths = {}
+    for fqn in tensors:
+        path = planner.get(fqn) if type(planner) is dict else None
+        if type(path) not in (tuple, list) or not path or not all(type(p) in (str, int) for p in path):
+            path = (fqn,)
+        paths[fqn] = tuple(str(p) for p in path)
+    return tensors, storage, paths
+
+
+def model_names(paths: Dict[str, Tuple[str, ...]]) -> Dict[str, str]:
+    """``{fqn: model tensor name}``: the model's own entries. A state dict nested under ``model``
+    (Accelerate, the Trainer) loses that wrapper and keeps the model's own names (``model.`` of a
+    ``LlamaForCausalLM`` included); a flat one (``dcp.save(model.state_dict())``, torchtitan) keeps
+    every entry outside the optimizer/scheduler/dataloader ones."""
+    nested = {fqn: ".".join(p[1:]) for fqn, p in paths.items() if len(p) >= 2 and p[0] == "model"}
+    if nested:
+        return nested
+    return {fqn: ".".join(p) for fqn, p in paths.items() if p[0] not in _NOT_MODEL}
+
+
+def _placement(name, t: DcpTensor, where):
+    """``(cat_dim, columns)``: the chunks grouped into slices along ``cat_dim`` (None: one slice), each
+    slice's chunks in dim-0 order, after checking they tile the tensor exactly once."""
+    size = t.size
+    chunks = [c for c in t.chunks if math.prod(c[1]) > 0]  # an empty last shard holds nothing
+    for off, sz in chunks:
+        if len(off) != len(size) or len(sz) != len(size) or any(o + s > d for o, s, d in zip(off, sz, size)):
+            raise LayoutError(f"{where}: a chunk of {name} (offsets {list(off)}, sizes {list(sz)}) lies outside its "
+                              f"size {list(size)}; the checkpoint is corrupt or crafted: copy it again")
+    total = sum(math.prod(sz) for _, sz in chunks)
+    if len(size) == 0:
+        if len(chunks) != 1:
+            raise LayoutError(f"{where}: scalar {name} has {len(chunks)} chunks; the checkpoint is corrupt")
+        return None, [chunks]
+    split = sorted({d for off, sz in chunks for d in range(len(size)) if off[d] != 0 or sz[d] != size[d]} - {0})
+    if len(split) > 1:
+        raise LayoutError(f"{where}: {name} is split along dimensions {split}; hf-ckpt places DCP chunks split "
+                          "along dim 0 and at most one other dimension: please report this layout")
+    cat = split[0] if split else None
+    columns: Dict[Tuple[int, int], list] = {}
+    for off, sz in chunks:
+        columns.setdefault((off[cat], sz[cat]) if cat is not None else (0, 0), []).append((off, sz))
+    ordered, expect_col = [], 0
+    for (col_off, col_size), cs in sorted(columns.items()):
+        if cat is not None and col_off != expect_col:
+            raise _coverage(name, where, total, size, col_off < expect_col)
+        cs.sort(key=lambda c: c[0][0])
+        row = 0
+        for off, sz in cs:
+            if off[0] != row:
+                raise _coverage(name, where, total, size, off[0] < row)
+            row += sz[0]
+        if row != size[0]:
+            raise _coverage(name, where, total, size, row > size[0])
+        ordered.append(cs)
+        expect_col += col_size
+    if cat is not None and expect_col != size[cat] or not chunks and math.prod(size):
+        raise _coverage(name, where, total, size, False)
+    return cat, ordered
+
+
+def _coverage(name, where, total, size, overlap):
+    what = "overlap" if overlap else "leave part of it uncovered"
+    return LayoutError(f"{where}: the chunks recorded for {name} ({total} elements for a size of {list(size)}) {what}; "
+                       "a rank's shard is missing or the metadata belongs to another save: copy the whole checkpoint "
+                       "directory again")
+
+
+def _chunk_piece(dcp_dir, name, fqn, dtype, off, sz, storage, where) -> Piece:
+    entry = storage.get((fqn, off))
+    if entry is None:
+        raise LayoutError(f"{where}: no storage entry for the chunk of {name} at offsets {list(off)}; the metadata "
+                          "is incomplete: copy the whole checkpoint directory again")
+    rel, start, length = entry
+    path = os.path.join(dcp_dir, rel)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing (the chunk of {name} at offsets {list(off)} is stored there); copy "
+                              "every .distcp file of the checkpoint")
+    ref = safe_load.load(path, offset=start, length=length, allowed=safe_load.TORCH_TENSOR_ALLOWED)
+    if not isinstance(ref, safe_load.TensorRef) or ref.shape != tuple(sz) or ref.dtype != dtype:
+        got = (f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, safe_load.TensorRef) else type(ref).__name__)
+        raise LayoutError(f"{path}: bytes {start}+{length} hold {got}, but .metadata records the chunk of {name} as "
+                          f"{dtype} {list(sz)}; the files belong to different saves: copy the checkpoint again")
+    byte_offset, _ = ref.byte_range()
+    return Piece(path, byte_offset, ref.numel, dtype)
+
+
+def build_plan(dcp_dir: str, *, config_dir: Optional[str] = None, source: Optional[str] = None) -> ExportPlan:
+    """Plan the export of the model weights of the DCP checkpoint ``dcp_dir`` (see the module docstring)."""
+    dcp_dir = os.path.abspath(dcp_dir)
+    where = os.path.join(dcp_dir, METADATA)
+    tensors, storage, paths = read_metadata(dcp_dir)
+    names = model_names(paths)
+    if not names:
+        raise CheckpointError(f"{where}: holds no model tensors (only {', '.join(sorted({p[0] for p in paths.values()}))[:200]}"
+                              "); pass the model's DCP checkpoint directory")
+    out: List[TensorPlan] = []
+    chunk_counts: Dict[int, int] = {}
+    split_dims = set()
+    for fqn, name in names.items():
+        t = tensors[fqn]
+        cat, columns = _placement(name, t, where)
+        parts = [[_chunk_piece(dcp_dir, name, fqn, t.dtype, off, sz, storage, where) for off, sz in col]
+                 for col in columns]
+        n = sum(len(col) for col in columns)
+        chunk_counts[n] = chunk_counts.get(n, 0) + 1
+        split_dims.update(d for col in columns for off, sz in col for d in range(len(t.size))
+                          if off[d] or sz[d] != t.size[d])
+        if cat is None:
+            out.append(TensorPlan(name, t.size, t.dtype, parts, kind="module"))
+        else:
+            shapes = [tuple(col[0][1][cat] if d == cat else t.size[d] for d in range(len(t.size))) for col in columns]
+            out.append(TensorPlan(name, t.size, t.dtype, parts, kind="module", cat_dim=cat, part_shapes=shapes,
+                                  rule=f"DCP chunk offsets (dim {cat})"))
+    dtypes = {t.src_dtype for t in out}
+    files = sorted({p.path for t in out for part in t.parts for p in part})
+    skipped = len(tensors) - len(names)
+    notes = [f"torch DCP: {len(files)} data files; chunks per tensor: "
+             + ", ".join(f"{k} ({v} tensors)" for k, v in sorted(chunk_counts.items()))
+             + (f"; split along dims {sorted(split_dims)}" if split_dims else "; unsplit")]
+    if skipped:
+        notes.append(f"{skipped} optimizer/other tensor entries skipped")
+    shards = max(chunk_counts) if chunk_counts else 1
+    return ExportPlan(engine="torch-dcp", source=source or dcp_dir, tag=None, stage=None, dp_size=shards, mp_size=1,
+                      mp_axis="none", tensors=out, dtypes={"module": dtypes.pop()} if len(dtypes) == 1 else {},
+                      config_dir=config_dir, files=files, notes=notes)
+
+
+# Input-embedding names of the transformers families whose output embedding save_pretrained ties to it.
+_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight", "shared.weight",
+               "embeddings.weight")
+
+
+def tie_aliases(plan: ExportPlan) -> None:
+    """FSDP state dicts hold tied weights under both names (``lm_head.weight`` and the input
+    embedding): when config.json ties them, write the embedding once, as ``save_pretrained`` does,
+    and check the other copy is byte-identical to it (a replica, never written)."""
+    from ..guards import read_config
+
+    cfg = read_config(plan.config_dir)
+    tied = cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", True)
+                   if isinstance(cfg.get("text_config"), dict) else True)
+    by_name = {t.name: t for t in plan.tensors}
+    head = by_name.get("lm_head.weight")
+    if tied is not True or head is None:
+        return
+    embeds = [t for t in plan.tensors if t.name.endswith(_EMBEDDINGS) and t.shape == head.shape
+              and t.src_dtype == head.src_dtype]
+    if len(embeds) != 1:
+        return
+    emb = embeds[0]
+    if len(emb.parts) == 1 and len(head.parts) == 1:
+        emb.replicas.append([p for p in head.parts[0]])
+    plan.tensors = [t for t in plan.tensors if t is not head]
+    plan.aliases[head.name] = emb.name
+    plan.notes.append(f"config.json ties the word embeddings: {head.name} written once, as {emb.name}")

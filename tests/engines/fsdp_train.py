@@ -1,0 +1,171 @@
+"""Train a tiny Llama under FSDP2 (``fully_shard``) on CPU/gloo and save it with torch DCP.
+
+``torchrun --standalone --nproc_per_node N fsdp_train.py OUT --mode plain|accelerate|trainer``.
+
+- ``plain``: ``fully_shard`` per decoder layer and at the root, two AdamW steps, then
+  ``dcp.save({**model_state_dict, "optimizer": optim_state_dict}, OUT/dcp)`` (the torchtitan
+  layout: model keys at the top level beside the optimizer's).
+- ``accelerate``: an ``Accelerator`` with an FSDP2 plugin (SHARDED_STATE_DICT) and
+  ``accelerator.save_state(OUT/state)``: ``pytorch_model_fsdp_0/`` (state dict nested under
+  ``model``) and ``optimizer_0/``.
+- ``trainer``: a ``Trainer`` under FSDP2 saving ``checkpoint-2`` and ``checkpoint-4``.
+
+Every mode writes the reference the engine itself reports, at the last save:
+``OUT/reference.safetensors`` (``get_model_state_dict(full_state_dict=True)``), the HF config in
+``OUT/config`` and the logits of :func:`common.probe_input` in ``OUT/logits.pt``.
+
+CPU facts (test support only, see docs/fsdp.md): Accelerate 1.16 keeps ``DistributedType.NO`` /
+``MULTI_CPU`` on CPU even with an FSDP plugin, so :func:`_force_fsdp` sets ``distributed_type``
+and ``fsdp_plugin`` on the state and on ``PartialState._shared_state`` before ``prepare``; the
+Trainer needs the same from ``create_accelerator_and_postprocess``. FSDP processes sometimes abort
+at interpreter exit on CPU: every mode ends with a barrier and ``os._exit(0)``.
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    def __init__(self, n=16, seq=16):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, common.VOCAB_SIZE, (n, seq), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _model():
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(common.tiny_llama_config())
+
+
+def _reference(model, out: Path):
+    """Collective: the engine's own full state dict, its config and probe logits, written by rank 0."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    with torch.no_grad():
+        logits = model(common.probe_input()).logits.detach().float()
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in full.items()}, str(out / "reference.safetensors"))
+        model.config.save_pretrained(str(out / "config"))
+        torch.save(logits, out / "logits.pt")
+
+
+def _fsdp2(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def run_plain(out: Path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    dist.init_process_group("gloo")
+    model = _fsdp2(_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        ids = common.fixed_batch(step, rank=dist.get_rank())
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    state = dict(get_model_state_dict(model))
+    state["optimizer"] = get_optimizer_state_dict(model, opt)
+    dcp.save(state, checkpoint_id=str(out / "dcp"))
+    _reference(model, out)
+
+
+def _force_fsdp(accelerator_state, plugin):
+    """Test-support shim (never shipped): make Accelerate 1.16 run FSDP on CPU (see the docstring)."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    for shared in (AcceleratorState._shared_state, PartialState._shared_state):
+        shared["distributed_type"] = DistributedType.FSDP
+    AcceleratorState._shared_state["fsdp_plugin"] = plugin
+    accelerator_state.distributed_type = DistributedType.FSDP
+    accelerator_state.fsdp_plugin = plugin
+
+
+def _plugin():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT",
+                                          auto_wrap_policy="transformer_based_wrap",
+                                          transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                          reshard_after_forward=True, cpu_ram_efficient_loading=False)
+
+
+def run_accelerate(out: Path):
+    from accelerate import Accelerator
+
+    plugin = _plugin()
+    accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
+    _force_fsdp(accelerator.state, plugin)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = accelerator.prepare(model, opt)
+    for step in range(2):
+        ids = common.fixed_batch(step, rank=accelerator.process_index)
+        accelerator.backward(model(ids, labels=ids).loss)
+        opt.step()
+        opt.zero_grad()
+    accelerator.save_state(str(out / "state"))
+    _reference(model, out)
+
+
+def run_trainer(out: Path):
+    from transformers import Trainer, TrainingArguments
+
+    plugin = _plugin()
+
+    class FsdpTrainer(Trainer):
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            _force_fsdp(self.accelerator.state, plugin)
+            self.is_fsdp_enabled = True
+
+    dist.init_process_group("gloo")
+    targs = TrainingArguments(
+        output_dir=str(out / "run"), max_steps=4, save_steps=2, per_device_train_batch_size=2,
+        learning_rate=1e-2, report_to=[], seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        save_strategy="steps", use_cpu=True, save_only_model=False,
+        fsdp="full_shard", fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT",
+                                        "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                                        "reshard_after_forward": True, "cpu_ram_efficient_loading": False})
+    trainer = FsdpTrainer(model=_model(), args=targs, train_dataset=RandomTokens())
+    trainer.train()
+    _reference(trainer.model_wrapped, out)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("out", type=Path)
+    p.add_argument("--mode", choices=("plain", "accelerate", "trainer"), required=True)
+    args = p.parse_args()
+    {"plain": run_plain, "accelerate": run_accelerate, "trainer": run_trainer}[args.mode](args.out)
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # FSDP processes sometimes abort at interpreter exit on CPU
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""torch DCP / FSDP2 checkpoints (hf_ckpt_integrations/sources/dcp.py).
+
+Engine cases (real torchrun processes, gloo on CPU, see tests/engines/fsdp_train.py): plain
+``fully_shard`` + ``dcp.save`` (vocabulary 1001 over 2 ranks: uneven shards), Accelerate FSDP2
+``save_state``, the Trainer under FSDP2 (``checkpoint-2`` and ``checkpoint-4``). Reference: the
+engine's own ``get_model_state_dict(full_state_dict=True)`` at the last save, bitwise.
+
+Synthetic cases: DCP directories written here with torch's own metadata classes and ``torch.save``
+chunks laid in one ``.distcp`` file as FileSystemWriter lays them (milliseconds): uneven and
+empty shards, a 2-D split, and the refusals (hostile pickle, overlap, gap, truncation).
+"""
+
+import io
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import assert_bitwise_equal, assert_refused, hf_ckpt, load_hf_state, load_safetensors, tree_digest
+
+
+# ---------------------------------------------------------------- synthetic DCP directories
+
+
+def write_dcp(directory, tensors, *, nest=None, extra=None):
+    """A DCP checkpoint of ``tensors`` (``{fqn: (full tensor, [(offsets, sizes), ...])}``), each chunk
+    torch.save'd into ``__<i % 2>_0.distcp`` at its recorded offset, as FileSystemWriter writes them.
+    ``nest``: the state dict was nested under this key (Accelerate's ``{"model": ...}``).
+    ``extra``: ``{fqn: value}`` of further metadata entries (bytes, optimizer tensors)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    streams = {0: io.BytesIO(), 1: io.BytesIO()}
+    sd_meta, storage, planner = {}, {}, {}
+    for i, (name, (full, chunks)) in enumerate(tensors.items()):
+        fqn = f"{nest}.{name}" if nest else name
+        planner[fqn] = (nest, name) if nest else (name,)
+        metas = []
+        for j, (offsets, sizes) in enumerate(chunks):
+            piece = full
+            for d, (o, s) in enumerate(zip(offsets, sizes)):
+                piece = piece.narrow(d, o, s)
+            stream = streams[(i + j) % 2]
+            start = stream.tell()
+            torch.save(piece.clone().contiguous(), stream)
+            storage[MetadataIndex(fqn, offsets)] = _StorageInfo(f"__{(i + j) % 2}_0.distcp", start,
+                                                                stream.tell() - start)
+            metas.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+        sd_meta[fqn] = TensorStorageMetadata(TensorProperties(dtype=full.dtype), full.size(), metas)
+    for fqn, value in (extra or {}).items():
+        sd_meta[fqn] = BytesStorageMetadata() if value is None else value
+        planner[fqn] = tuple(fqn.split("."))
+    for rank, stream in streams.items():
+        (directory / f"__{rank}_0.distcp").write_bytes(stream.getvalue())
+    md = Metadata(state_dict_metadata=sd_meta, planner_data=planner, storage_data=storage, version="1.0.0")
+    with open(directory / ".metadata", "wb") as fh:
+        pickle.dump(md, fh)
+    return directory
+
+
+def _rows(n, ranks):
+    """FSDP2's dim-0 chunks of ``n`` rows over ``ranks`` (ceil-sized, the last ones short or empty)."""
+    per = -(-n // ranks)
+    return [(r * per, max(0, min(per, n - r * per))) for r in range(ranks)]
+
+
+def _dim0(full, ranks):
+    return [((o,) + (0,) * (full.dim() - 1), (s,) + tuple(full.shape[1:])) for o, s in _rows(full.shape[0], ranks)]
+
+
+def _export(src, dst):
+    r = hf_ckpt("export", src, dst)
+    assert r.returncode == 0, r.stderr
+    return {k: v for f in sorted(Path(dst).glob("*.safetensors")) for k, v in load_safetensors(f).items()}
+
+
+def test_synthetic_uneven_and_empty_shards_and_2d_split_export_bitwise(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(7, 5, generator=g)  # 4 ranks: rows 2, 2, 2, 1
+    b = torch.randn(3, generator=g)  # 4 ranks: 1, 1, 1, 0 (an empty last shard)
+    c = torch.randn(6, 8, generator=g).to(torch.bfloat16)  # 2-D mesh: dim 0 over 2, dim 1 over 2
+    grid = [((r, k), (3, 4)) for k in (4, 0) for r in (3, 0)]  # recorded out of order on purpose
+    s = torch.tensor(3.5)
+    src = write_dcp(tmp_path / "dcp", {"a": (a, _dim0(a, 4)), "b": (b, _dim0(b, 4)), "c": (c, grid),
+                                       "s": (s, [((), ())])},
+                    extra={"optimizer.param_groups.0.lr": None})
+    out = _export(src, tmp_path / "out")
+    assert set(out) == {"a", "b", "c", "s"}
+    for name, want in {"a": a, "b": b, "c": c, "s": s}.items():
+        assert out[name].dtype == want.dtype and torch.equal(out[name], want), name
+    info = hf_ckpt("inspect", src, "--json")
+    assert info.returncode == 0 and '"torch-dcp"' in info.stdout, info.stderr
+
+
+def test_synthetic_nested_state_dict_keeps_the_models_own_prefix(tmp_path):
+    w = torch.arange(12.0).view(4, 3)
+    src = write_dcp(tmp_path / "state" / "pytorch_model_fsdp_0", {"model.embed.weight": (w, _dim0(w, 2))},
+                    nest="model")
+    out = _export(tmp_path / "state", tmp_path / "out")
+    assert list(out) == ["model.embed.weight"] and torch.equal(out["model.embed.weight"], w)
+    assert src.is_dir()
+
+
+def _mutate_metadata(src, fn):
+    """Rewrite ``src/.metadata`` through torch's own classes (test side: our own file)."""
+    with open(src / ".metadata", "rb") as fh:
+        md = pickle.load(fh)  # noqa: S301 - a file this test wrote
+    fn(md)
+    with open(src / ".metadata", "wb") as fh:
+        pickle.dump(md, fh)
+
+
+def _two_chunk_dcp(tmp_path):
+    w = torch.arange(20.0).view(5, 4)
+    return write_dcp(tmp_path / "dcp", {"w": (w, _dim0(w, 2))})
+
+
+def _refused(tmp_path, src, match):
+    digest = tree_digest(src)
+    r = hf_ckpt("export", src, tmp_path / "out")
+    return assert_refused(r, match=match, dst=tmp_path / "out", src=src, digest=digest)
+
+
+def test_overlapping_chunks_are_refused(tmp_path):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    src = _two_chunk_dcp(tmp_path)
+
+    def overlap(md):
+        chunks = md.state_dict_metadata["w"].chunks
+        chunks[1] = ChunkStorageMetadata(torch.Size([2, 0]), chunks[1].sizes)
+    _mutate_metadata(src, overlap)
+    _refused(tmp_path, src, "overlap")
+
+
+def test_missing_chunk_is_refused(tmp_path):
+    src = _two_chunk_dcp(tmp_path)
+    _mutate_metadata(src, lambda md: md.state_dict_metadata["w"].chunks.pop())
+    line = _refused(tmp_path, src, "uncovered")
+    assert ".metadata" in line
+
+
+def test_chunk_without_storage_entry_is_refused(tmp_path):
+    src = _two_chunk_dcp(tmp_path)
+
+    def drop(md):
+        key = next(k for k in md.storage_data if tuple(k.offset)[0] != 0)
+        del md.storage_data[key]
+    _mutate_metadata(src, drop)
+    _refused(tmp_path, src, "no storage entry")
+
+
+def test_truncated_distcp_is_refused(tmp_path):
+    src = _two_chunk_dcp(tmp_path)
+    f = src / "__1_0.distcp"
+    f.write_bytes(f.read_bytes()[:-100])
+    _refused(tmp_path, src, "__1_0.distcp")
+
+
+def test_missing_distcp_is_refused(tmp_path):
+    src = _two_chunk_dcp(tmp_path)
+    (src / "__0_0.distcp").unlink()
+    _refused(tmp_path, src, "__0_0.distcp")
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_hostile_metadata_is_refused_unexecuted(tmp_path):
+    src = _two_chunk_dcp(tmp_path)
+    marker = tmp_path / "pwned"
+    _mutate_metadata(src, lambda md: setattr(md, "planner_data", {"w": _Evil(marker)}))
+    line = _refused(tmp_path, src, "refused for safety")
+    assert "system" in line and not marker.exists()
+    r = hf_ckpt("inspect", src)
+    assert_refused(r, match="refused for safety")
+    assert not marker.exists()
+
+
+def test_hostile_chunk_archive_is_refused_unexecuted(tmp_path):
+    src = _two_chunk_dcp(tmp_path)
+    marker = tmp_path / "pwned"
+    buf = io.BytesIO()
+    torch.save(_Evil(marker), buf)
+    f = src / "__0_0.distcp"
+    data = f.read_bytes()
+
+    def repoint(md):  # the first chunk now names the hostile archive appended to its file
+        for key, info in md.storage_data.items():
+            if info.relative_path == "__0_0.distcp":
+                info.offset, info.length = len(data), len(buf.getvalue())
+                break
+    f.write_bytes(data + buf.getvalue())
+    _mutate_metadata(src, repoint)
+    _refused(tmp_path, src, "refused for safety")
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------- real engine runs
+
+ENGINE_CASES = {"fsdp2-plain": "dcp", "fsdp2-accelerate": "state", "fsdp2-trainer": "run/checkpoint-4"}
+
+
+@pytest.mark.parametrize("case", sorted(ENGINE_CASES))
+def test_engine_export_is_bitwise_the_engines_full_state_dict(engine_ckpt, tmp_path, case):
+    root = engine_ckpt(case)
+    src = root / ENGINE_CASES[case]
+    digest = tree_digest(src)
+    args = ["--config", root / "config"]  # (an FSDP checkpoint-N holds no config.json)
+    r = hf_ckpt("export", src, tmp_path / "out", *args)
+    assert r.returncode == 0, r.stderr
+    assert tree_digest(src) == digest
+    reference = load_safetensors(root / "reference.safetensors")
+    assert_bitwise_equal(load_hf_state(tmp_path / "out", torch.float32), reference)
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert files == ["config.json", "model.safetensors"], files
+    from transformers import AutoModelForCausalLM
+
+    import common
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(common.probe_input()).logits
+    torch.testing.assert_close(logits, torch.load(root / "logits.pt"), rtol=1e-5, atol=1e-5)
+    v = hf_ckpt("verify", tmp_path / "out", "--against", src, *args)
+    assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_engine_inspect_describes_the_dcp_checkpoint(engine_ckpt):
+    import json
+
+    root = engine_ckpt("fsdp2-plain")
+    r = hf_ckpt("inspect", root / "dcp", "--json", "--config", root / "config")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["engine"] == "torch-dcp" and info["dp_size"] == 2 and info["dtypes"] == {"module": "F32"}
+    assert any("chunks per tensor: 2" in n for n in info["notes"]), info["notes"]
+    assert any("optimizer" in n for n in info["notes"]), info["notes"]
+    assert "optimizer" not in " ".join(t["name"] for t in info["tensors"])
+
+
+def test_trainer_fsdp2_both_checkpoints_export(engine_ckpt, tmp_path):
+    """checkpoint-2 exports too (no reference at step 2: it must load and differ from step 4)."""
+    root = engine_ckpt("fsdp2-trainer")
+    r = hf_ckpt("export", root / "run" / "checkpoint-2", tmp_path / "out2", "--config", root / "config")
+    assert r.returncode == 0, r.stderr
+    state = load_hf_state(tmp_path / "out2", torch.float32)
+    reference = load_safetensors(root / "reference.safetensors")
+    assert set(state) >= set(reference)
+    assert any(not torch.equal(state[k], reference[k]) for k in reference)
