@@ -92,6 +92,20 @@ def test_empty_adapter_is_refused(tmp_path):
     assert plan.adapter["peft_type"] == "LORA" and plan.adapter["r"] == 4
 
 
+def test_full_model_beside_an_adapter_config_is_not_taken_for_an_adapter(tmp_path):
+    """An adapter_config.json in the parent directory (an output dir of an earlier PEFT run) does
+    not turn a checkpoint without adapter tensors into an (empty) adapter."""
+    from hf_ckpt_integrations.plan import ExportPlan, Piece, TensorPlan
+    from hf_ckpt_integrations.sources.peft import adapter_plan
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    (tmp_path / "checkpoint-1").mkdir()
+    t = TensorPlan("model.layers.0.self_attn.q_proj.weight", (1,), "F32", [[Piece("x", 0, 1, "F32")]])
+    plan = adapter_plan(ExportPlan("deepspeed", str(tmp_path / "checkpoint-1"), None, 3, 2, 1, "none", [t]),
+                        str(tmp_path / "checkpoint-1"))
+    assert plan.adapter is None and [t.name for t in plan.tensors] == ["model.layers.0.self_attn.q_proj.weight"]
+
+
 def test_lora_tensors_without_adapter_config_are_refused(tmp_path):
     from hf_ckpt_integrations.errors import LayoutError
     from hf_ckpt_integrations.plan import ExportPlan, Piece, TensorPlan

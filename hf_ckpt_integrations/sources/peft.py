@@ -140,7 +140,9 @@ def adapter_plan(plan, src, *, config: Optional[str] = None):
     """
     names = [t.name for t in plan.tensors]
     adapters = adapter_names_in(names)
-    dirs = [config, src, os.path.dirname(os.fspath(src))]
+    # Beside the checkpoint; the parent directory (a save dir's tag, an output dir's checkpoint-N)
+    # only when adapter tensors say it is a PEFT checkpoint: a full model is never taken for one.
+    dirs = [config, src] + ([os.path.dirname(os.path.abspath(os.fspath(src)))] if adapters else [])
     cfg_path = find_adapter_config(dirs, adapters[0] if len(adapters) == 1 else "default")
     if not adapters and cfg_path is None:
         return plan
