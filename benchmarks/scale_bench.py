@@ -39,7 +39,7 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PYTHONWARN
 
 PLAN_CHILD = ("import json, resource, sys, time\n"
               "t = time.perf_counter()\n"
-              "from hf_ckpt_integrations.sources.deepspeed import build_plan\n"
+              "from hf_ckpt_integrations.sources import build_plan\n"
               "plan = build_plan(sys.argv[1])\n"
               "dt = time.perf_counter() - t\n"
               "print(json.dumps({'plan_s': dt, 'rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,\n"

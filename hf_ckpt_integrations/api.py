@@ -1,11 +1,15 @@
-"""The Python API: the same three operations as the CLI."""
+"""The Python API: the same three operations as the CLI, which only parses options, calls these
+and prints (so both front doors take the same options and raise the same errors)."""
 
+import os
 from typing import Optional
 
+from . import sources
+from .errors import OptionError
+from .formats.dtypes import from_user
 from .guards import bad_metadata_as_input
-from .sources import build_plan
 from .verify import VerifyReport, verify_plan
-from .writer import MAX_SHARD_SIZE, write_plan
+from .writer import MAX_SHARD_SIZE, check_max_shard_size, check_workers, write_plan
 
 __all__ = ["inspect_checkpoint", "export_checkpoint", "verify_checkpoint"]
 
@@ -16,19 +20,23 @@ def inspect_checkpoint(src, *, tag: Optional[str] = None, config: Optional[str] 
     Reads metadata only. Raises :class:`~hf_ckpt_integrations.errors.CheckpointError` for a
     checkpoint that cannot be exported.
     """
-    return build_plan(src, tag=tag, config=config, tp_rules=tp_rules).summary()
+    return sources.build_plan(src, tag=tag, config=config, tp_rules=tp_rules).summary()
 
 
 def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[str] = None,
                       max_shard_size=MAX_SHARD_SIZE, config: Optional[str] = None, overwrite: bool = False,
                       quiet: bool = True, tp_rules=None, workers: int = 1, merge_adapters: bool = False,
                       base: Optional[str] = None) -> dict:
-    """Export ``src`` (DeepSpeed save dir, tag dir or Trainer ``checkpoint-N``) to an HF directory ``dst``.
+    """Export ``src`` (any source the registry reads: DeepSpeed save dir, tag dir, Trainer
+    ``checkpoint-N``, universal checkpoint, HF directory) to an HF directory ``dst``.
 
     ``dtype``: ``"fp32"`` (default when the checkpoint has fp32 masters), ``"bf16"`` or ``"fp16"``.
     ``tp_rules``: ``["PATTERN=0|1|replicated", ...]`` for model-parallel parameters nothing else
-    describes. ``workers``: shards written at once from a thread pool. Returns the writer's report.
-    Nothing is written when the checkpoint is refused.
+    describes. ``workers``: shards written at once from a thread pool. Under ``torchrun`` (``WORLD_SIZE``
+    > 1) every rank calls it and the ranks split the shards. Options are checked before the
+    checkpoint is read. Returns the writer's report, with the plan's ``notes`` (e.g. no config.json
+    found). Raises a :class:`~.errors.CheckpointError` subclass for every refusal (an
+    :class:`~.errors.OptionError` for a bad option); nothing is written then.
 
     A checkpoint of a PEFT model exports the adapter directory ``PeftModel.save_pretrained`` writes
     (``adapter_config.json`` + ``adapter_model.safetensors``); with ``merge_adapters`` a LoRA
@@ -36,23 +44,33 @@ def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[st
     the adapter config's ``base_model_name_or_path`` when it is a local directory), written in the
     base's Hub layout (see :mod:`.peft_merge`).
     """
-    from .errors import OptionError
-
+    check_max_shard_size(max_shard_size)  # before reading the checkpoint
+    check_workers(workers)
+    from_user(dtype)
     if base is not None and not merge_adapters:
         raise OptionError("--base is only used with --merge-adapters")
-    plan = build_plan(src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules)
+    plan = sources.build_plan(src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules)
+    from .parallel import world_from_env, write_plan_parallel
+
+    if (merge_adapters or plan.adapter is not None) and world_from_env() > 1 and os.environ.get("RANK", "0") != "0":
+        return {"destination": os.fspath(dst), "notes": list(plan.notes), "written_by": "rank 0"}  # one small job
     if merge_adapters:
         from .peft_merge import write_merged
 
-        return write_merged(plan, dst, base=base, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
-                            quiet=quiet)
-    return write_plan(plan, dst, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, quiet=quiet,
-                      workers=workers)
+        report = write_merged(plan, dst, base=base, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
+                              quiet=quiet)
+    elif world_from_env() > 1 and plan.adapter is None:  # torchrun: the ranks split the shards
+        report = write_plan_parallel(plan, dst, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
+                                     quiet=quiet)
+    else:
+        report = write_plan(plan, dst, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, quiet=quiet,
+                            workers=workers)
+    return {**report, "notes": list(plan.notes)}
 
 
 def verify_checkpoint(dst, against, *, tag: Optional[str] = None, config: Optional[str] = None,
                       tp_rules=None) -> VerifyReport:
     """Compare every tensor of the HF directory ``dst`` with the source ``against``, bitwise."""
-    plan = build_plan(against, tag=tag, config=config, tp_rules=tp_rules)
+    plan = sources.build_plan(against, tag=tag, config=config, tp_rules=tp_rules)
     with bad_metadata_as_input(dst):  # a hand-edited index or header of dst is bad input, not a bug
         return verify_plan(plan, dst)

@@ -2,8 +2,10 @@
 
 The hot path (a plain tensor kept in its stored dtype) yields the source byte ranges straight
 from ``mmap`` with no tensor library; a plain tensor cast between fp32 and bf16/fp16 is read and
-converted a chunk at a time by :mod:`.casts` (numpy, no torch). Tensor-parallel merges and
-unpadding import torch and hold one tensor in memory.
+converted a chunk at a time by :mod:`.casts` (numpy, no torch). A tensor whose chunks are not
+whole rows in order (tensor-parallel column slices, FSDP x TP blocks) is assembled by
+:func:`assemble_chunks` (numpy, byte blocks, one tensor in memory); unpadding and Hub-layout
+element ranges then use torch.
 """
 
 from typing import Iterator, NamedTuple
@@ -13,7 +15,7 @@ from .formats.dtypes import FLOATS as FLOAT_DTYPES, SIZES as DTYPE_SIZES, to_tor
 from .plan import TensorPlan
 from .safe_load import MappedFiles
 
-__all__ = ["out_dtype_for", "iter_bytes", "to_torch", "check_replicas", "check_module_copy",
+__all__ = ["assemble_chunks", "iter_bytes", "to_torch", "check_replicas", "check_module_copy",
            "FileRange", "FLOAT_DTYPES"]
 
 
@@ -29,13 +31,6 @@ class FileRange(NamedTuple):
         return self.nbytes
 
 
-def out_dtype_for(t: TensorPlan, requested):
-    """Floating tensors take the requested dtype (default: as stored); integer ones never change."""
-    if requested is None or t.src_dtype not in FLOAT_DTYPES:
-        return t.src_dtype
-    return requested
-
-
 def _flat(pieces, files: MappedFiles):
     import torch
 
@@ -43,6 +38,27 @@ def _flat(pieces, files: MappedFiles):
                                dtype=_torch_dtype(p.dtype)) if p.numel else torch.empty(0, dtype=_torch_dtype(p.dtype))
               for p in pieces]
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+
+def assemble_chunks(shape, chunks, files: MappedFiles):
+    """The row-major bytes of the tensor of ``shape`` that ``chunks`` tile (checked by
+    :func:`~.plan.check_tiling`), as a flat uint8 numpy array: each chunk's pieces read in order
+    and written into its N-D box. Dtype-agnostic (bytes), no torch."""
+    import numpy as np
+
+    shape = tuple(shape)
+    dtypes = {p.dtype for c in chunks for p in c.pieces}
+    if len(dtypes) > 1:
+        raise LayoutError(f"chunks of several dtypes {sorted(dtypes)}; files from different saves are mixed")
+    size = DTYPE_SIZES[dtypes.pop()] if dtypes else 1
+    out = np.empty(shape + (size,), np.uint8)
+    for c in chunks:
+        if not c.numel:
+            continue
+        raw = _read_all(c.pieces, files)
+        box = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))
+        out[box] = np.frombuffer(raw, np.uint8).reshape(tuple(c.sizes) + (size,))
+    return out.reshape(-1)
 
 
 def to_torch(t: TensorPlan, files: MappedFiles):
@@ -53,12 +69,15 @@ def to_torch(t: TensorPlan, files: MappedFiles):
         # frombuffer on a read-only mmap warns; the tensor is never written to.
         warnings.simplefilter("ignore", UserWarning)
         shapes = t.part_shapes or [t.shape]
-        if len(t.parts) == 1:
+        if t.chunks is None and len(t.parts) == 1:
             out = _flat(t.parts[0], files).view(shapes[0])
-        else:
+        else:  # TP slices and N-D blocks alike: chunks written into their boxes
             import torch
 
-            out = torch.cat([_flat(p, files).view(s) for p, s in zip(t.parts, shapes)], dim=t.cat_dim)
+            full = t.assembled_shape()
+            raw = assemble_chunks(full, t.placement(), files)
+            dtype = _torch_dtype(t.src_dtype)
+            out = (torch.from_numpy(raw).view(dtype) if raw.size else torch.empty(0, dtype=dtype)).view(full)
         if t.keep_rows is not None:
             out = out[: t.keep_rows]
         if t.elem_range is not None:  # one tensor of a Hub-layout split of the merged tensor
@@ -116,16 +135,29 @@ def iter_bytes(t: TensorPlan, out_dtype: str, files: MappedFiles, *, ranges: boo
     first copy before anything is yielded.
     """
     check_replicas(t, files)
-    if t.is_byte_copy and all(p.dtype == out_dtype for p in t.parts[0]):
-        for p in t.parts[0]:
+    flat = t.flat_pieces()
+    if flat is not None and all(p.dtype == out_dtype for p in flat):
+        for p in flat:
             n = p.numel * DTYPE_SIZES[p.dtype]
             yield FileRange(p.path, p.offset, n) if ranges else files.read(p.path, p.offset, n)
         return
-    if t.is_byte_copy:
+    if flat is not None:
         from .casts import can_cast, iter_cast  # numpy: imported by casts only (half the CLI's start-up)
 
-        if all(can_cast(p.dtype, out_dtype) for p in t.parts[0]):
-            yield from iter_cast(t.parts[0], out_dtype, files)  # numpy bit operations, no torch
+        if all(can_cast(p.dtype, out_dtype) for p in flat):
+            yield from iter_cast(flat, out_dtype, files)  # numpy bit operations, no torch
+            return
+    if t.chunks is not None and t.keep_rows is None and t.elem_range is None:
+        from .casts import can_cast, cast_array
+
+        raw = assemble_chunks(t.shape, t.chunks, files)  # N-D blocks: numpy, no torch
+        if t.src_dtype == out_dtype:
+            yield memoryview(raw)
+            return
+        if can_cast(t.src_dtype, out_dtype):
+            from .formats.dtypes import NUMPY_BITS
+
+            yield memoryview(cast_array(t.src_dtype, out_dtype, raw.view(NUMPY_BITS[t.src_dtype])).view("uint8"))
             return
     tensor = to_torch(t, files).to(_torch_dtype(out_dtype)).contiguous()
     import torch

@@ -144,39 +144,15 @@ def export_command_parser(subparsers=None):
 
 
 def export_command(args) -> int:
-    from .sources import build_plan
-    from .writer import check_max_shard_size, check_workers, write_plan
+    from .api import export_checkpoint
 
-    check_max_shard_size(args.max_shard_size)  # before reading the checkpoint
-    check_workers(args.workers)
-    if args.merge_adapters or args.base is not None:
-        from .api import export_checkpoint
-
-        report = export_checkpoint(args.src, args.dst, tag=args.tag, dtype=args.dtype, config=args.config,
-                                   tp_rules=args.tp_rule, max_shard_size=args.max_shard_size,
-                                   overwrite=args.overwrite, quiet=args.quiet, merge_adapters=args.merge_adapters,
-                                   base=args.base)
-        return _export_summary(args, [], report)
-    plan = build_plan(args.src, tag=args.tag, dtype=args.dtype, config=args.config, tp_rules=args.tp_rule)
-    from .parallel import world_from_env, write_plan_parallel
-
-    # Under `torchrun --nproc_per_node N -m hf_ckpt_integrations export ...` the ranks split the shards;
-    # an adapter is one small file, written by one process.
-    if world_from_env() > 1 and plan.adapter is None:
-        report = write_plan_parallel(plan, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                                     overwrite=args.overwrite, quiet=args.quiet)
-    elif plan.adapter is not None and os.environ.get("RANK", "0") != "0":
-        return EXIT_OK  # rank 0 writes the one adapter file
-    else:
-        report = write_plan(plan, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                            overwrite=args.overwrite, quiet=args.quiet, workers=args.workers)
-    return _export_summary(args, [n for n in plan.notes if "config.json" in n], report)
-
-
-def _export_summary(args, notes, report) -> int:
+    # Under `torchrun --nproc_per_node N -m hf_ckpt_integrations export ...` the ranks split the shards.
+    report = export_checkpoint(args.src, args.dst, tag=args.tag, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                               config=args.config, overwrite=args.overwrite, quiet=args.quiet, tp_rules=args.tp_rule,
+                               workers=args.workers, merge_adapters=args.merge_adapters, base=args.base)
     if os.environ.get("RANK", "0") != "0":
         return EXIT_OK
-    for note in notes + report.get("warnings", []):
+    for note in [n for n in report.get("notes", []) if "config.json" in n] + report.get("warnings", []):
         print(f"warning: {one_line(note)}", file=sys.stderr)
     if not args.quiet:
         print(f"wrote {report['destination']}: {report['shards']} shard(s), {report['tensor_bytes']:,} tensor bytes, "

@@ -4,21 +4,24 @@ A source builds it from metadata alone; :mod:`.writer` executes it; :mod:`.verif
 through it. Nothing here reads a file.
 
 An output tensor is ``pieces`` laid end to end (each a byte range of one source file, in the
-source dtype), then viewed as ``shape``. Tensor-parallel merges and vocabulary unpadding are
-expressed as ``parts`` (one flat list of pieces per slice, merged along ``cat_dim``) and
-``keep_rows``; a split into the Hub layout (one fused tensor -> N output tensors, see
+source dtype), then viewed as ``shape``. Where blocks of it come from different places they are
+:class:`Chunk` s: pieces plus N-D ``offsets``/``sizes`` in the global tensor (torch DCP's
+``ChunkStorageMetadata``), checked to tile it exactly (:func:`check_tiling`). Tensor-parallel
+slices are chunks along ``cat_dim`` (``parts`` + ``part_shapes``, :func:`parts_as_chunks`); an
+N-D layout (FSDP x TP) gives its chunks directly (:meth:`TensorPlan.from_chunks`). Vocabulary
+unpadding is ``keep_rows``; a split into the Hub layout (one fused tensor -> N output tensors, see
 :mod:`.sources.hub_layout`) as ``elem_range``, or, where the tensor is a plain byte copy, as
 narrowed pieces (:func:`narrow_pieces`), so the copy stays a byte-range copy.
 """
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from .formats.dtypes import SIZES, USER_NAMES as DTYPE_NAMES, from_user as dtype_from_name
+from .formats.dtypes import FLOATS, SIZES, USER_NAMES as DTYPE_NAMES, from_user as dtype_from_name
 
-__all__ = ["Piece", "TensorPlan", "ExportPlan", "DTYPE_NAMES", "dtype_from_name", "narrow_pieces",
-           "check_plan"]
+__all__ = ["Piece", "Chunk", "TensorPlan", "ExportPlan", "DTYPE_NAMES", "dtype_from_name", "narrow_pieces",
+           "check_tiling", "row_major_pieces", "parts_as_chunks", "check_plan", "decide_dtypes"]
 # DTYPE_NAMES / dtype_from_name: the user dtype names of :mod:`.formats.dtypes`, kept importable here.
 
 
@@ -47,6 +50,93 @@ def narrow_pieces(pieces: List[Piece], start: int, count: int) -> List[Piece]:
         start = 0
     if count > 0:
         raise ValueError(f"element range past the end of the tensor ({count} elements missing)")
+    return out
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A block of an output tensor, as torch DCP's ``ChunkStorageMetadata`` places one: ``pieces``
+    laid end to end are its elements in row-major order, and it lands in the global tensor at
+    N-D ``offsets`` with extent ``sizes``. A ZeRO partition is one chunk covering the whole tensor;
+    a tensor-parallel slice a chunk offset along the split dim; an FSDP x TP shard a chunk offset
+    along two dims — all the same to :func:`check_tiling` and :func:`~.assemble.assemble_chunks`."""
+
+    pieces: Tuple[Piece, ...]
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+def check_tiling(shape: Sequence[int], chunks: Sequence[Chunk]) -> None:
+    """Raise ``ValueError`` saying what is wrong unless ``chunks`` exactly tile a tensor of
+    ``shape``: each in bounds with as many dims as ``shape``, its pieces holding exactly its
+    elements, no two overlapping, and together covering every element (no gap).
+
+    Pure arithmetic on the metadata: a sweep along dim 0, so N chunks cost about N log N plus the
+    pairs that share rows."""
+    shape = tuple(shape)
+    total = 0
+    boxes = []
+    for i, c in enumerate(chunks):
+        if len(c.offsets) != len(shape) or len(c.sizes) != len(shape):
+            raise ValueError(f"chunk {i}: {len(c.offsets)}-D offsets / {len(c.sizes)}-D sizes for a "
+                             f"{len(shape)}-D tensor")
+        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, shape)):
+            raise ValueError(f"chunk {i}: offsets {list(c.offsets)} sizes {list(c.sizes)} fall outside the "
+                             f"shape {list(shape)}")
+        held = sum(p.numel for p in c.pieces)
+        if held != c.numel:
+            raise ValueError(f"chunk {i}: its pieces hold {held} elements, its sizes {list(c.sizes)} need "
+                             f"{c.numel}")
+        if c.numel:
+            boxes.append((c.offsets, tuple(o + s for o, s in zip(c.offsets, c.sizes)), i))
+            total += c.numel
+    if not shape:  # a scalar: one chunk of one element
+        boxes = [((), (), i) for i, c in enumerate(chunks) if c.pieces and c.numel]
+        total = len(boxes)
+    boxes.sort()
+    for k, (lo, hi, i) in enumerate(boxes):
+        for lo2, hi2, j in boxes[k + 1:]:
+            if shape and lo2[0] >= hi[0]:
+                break  # sorted by the first offset: no later box reaches back into this one's rows
+            if all(a < d and c < b for a, b, c, d in zip(lo, hi, lo2, hi2)):
+                raise ValueError(f"chunks {min(i, j)} and {max(i, j)} overlap")
+    if total != math.prod(shape):
+        raise ValueError(f"the chunks cover {total} of the {math.prod(shape)} elements of shape {list(shape)} "
+                         "(a gap)")
+
+
+def row_major_pieces(shape: Sequence[int], chunks: Sequence[Chunk]) -> Optional[List[Piece]]:
+    """The byte-copy fast path: when the (tiling) ``chunks`` are whole-row slices along dim 0 (every
+    other dim at full extent), their pieces laid end to end in offset order are the tensor's bytes;
+    return them. None when some chunk is not (the tensor is then assembled)."""
+    shape = tuple(shape)
+    if not shape:
+        return [p for c in chunks for p in c.pieces]
+    out = []
+    for c in sorted(chunks, key=lambda c: c.offsets[0]):
+        if any(o != 0 or s != d for o, s, d in zip(c.offsets[1:], c.sizes[1:], shape[1:])):
+            return None
+        out.extend(c.pieces)
+    return out
+
+
+def parts_as_chunks(shape: Sequence[int], parts: Sequence[Sequence[Piece]], part_shapes=None,
+                    cat_dim: Optional[int] = None) -> List[Chunk]:
+    """Tensor-parallel slices (``parts`` of ``part_shapes``, concatenated along ``cat_dim``) as chunks:
+    slice ``i`` at offset ``sum(sizes of slices before i)`` along ``cat_dim``, 0 elsewhere."""
+    shapes = list(part_shapes) if part_shapes is not None else [tuple(shape)]
+    if len(parts) == 1 and part_shapes is None:
+        return [Chunk(tuple(parts[0]), (0,) * len(shape), tuple(shape))]
+    out, at = [], 0
+    for pieces, s in zip(parts, shapes):
+        s = tuple(s)
+        offsets = tuple(at if d == cat_dim else 0 for d in range(len(s)))
+        out.append(Chunk(tuple(pieces), offsets, s))
+        at += s[cat_dim] if cat_dim is not None and s else 0
     return out
 
 
@@ -79,26 +169,68 @@ class TensorPlan:
     # the module weights whole), which the masters cast to its dtype must equal part by part;
     # ``verify`` checks every element (the source samples a few while planning).
     module_check: Optional[Tuple[List[List[Piece]], List[List[Piece]]]] = None
+    out_dtype: Optional[str] = None  # the dtype written (:func:`decide_dtypes`); None until decided
+    # N-D placement given by the source (FSDP x TP...); None: derived from ``parts`` (:meth:`placement`).
+    chunks: Optional[List[Chunk]] = None
+
+    @classmethod
+    def from_chunks(cls, name: str, shape: Tuple[int, ...], src_dtype: str, chunks: Sequence[Chunk],
+                    **kwargs) -> "TensorPlan":
+        """A tensor of ``shape`` tiled by ``chunks`` (checked by :func:`check_plan`); ``parts`` and
+        ``part_shapes`` list the same pieces chunk by chunk (what verify's CRC check and file lists read)."""
+        chunks = list(chunks)
+        return cls(name, tuple(shape), src_dtype, [list(c.pieces) for c in chunks],
+                   part_shapes=[tuple(c.sizes) for c in chunks], chunks=chunks, **kwargs)
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def assembled_shape(self) -> Tuple[int, ...]:
+        """The shape the chunks tile, before ``keep_rows`` / ``elem_range``."""
+        if self.chunks is not None:
+            if self.keep_rows is None and self.elem_range is None:
+                return tuple(self.shape)
+            return tuple(max((c.offsets[d] + c.sizes[d] for c in self.chunks), default=0)
+                         for d in range(len(self.chunks[0].sizes) if self.chunks else len(self.shape)))
+        if self.part_shapes is None or len(self.parts) == 1:
+            return tuple(self.part_shapes[0]) if self.part_shapes else tuple(self.shape)
+        first = tuple(self.part_shapes[0])
+        dim = self.cat_dim or 0
+        return first[:dim] + (sum(s[dim] for s in self.part_shapes),) + first[dim + 1:]
+
+    def placement(self) -> List[Chunk]:
+        """Where each block lands in :meth:`assembled_shape`: the source's chunks, or ``parts`` as chunks."""
+        if self.chunks is not None:
+            return list(self.chunks)
+        return parts_as_chunks(self.assembled_shape(), self.parts, self.part_shapes if len(self.parts) > 1 else None,
+                               self.cat_dim)
+
+    def flat_pieces(self) -> Optional[List[Piece]]:
+        """The pieces that laid end to end are the output bytes (the hot path), or None when the
+        tensor must be assembled (column slices, N-D blocks, unpadding, a Hub-layout element range)."""
+        if self.keep_rows is not None or self.elem_range is not None:
+            return None
+        if self.chunks is not None:
+            return row_major_pieces(self.shape, self.chunks)
+        return list(self.parts[0]) if len(self.parts) == 1 else None
+
     @property
     def is_byte_copy(self) -> bool:
         """True when the output bytes are the source pieces laid end to end (the hot path)."""
-        return len(self.parts) == 1 and self.keep_rows is None and self.elem_range is None
+        return self.flat_pieces() is not None
 
     def narrowed(self, name: str, shape: Tuple[int, ...], start: int) -> "TensorPlan":
         """Output ``name`` = elements ``[start, start + numel(shape))`` of this tensor, as ``shape``."""
         count = math.prod(shape)
-        if self.is_byte_copy:
+        flat = self.flat_pieces()
+        if flat is not None:
             check = self.module_check
             if check is not None and len(check[0]) == 1 and len(check[1]) == 1:  # the same range of both copies
                 check = ([narrow_pieces(check[0][0], start, count)], [narrow_pieces(check[1][0], start, count)])
             else:
                 check = None
-            return TensorPlan(name, tuple(shape), self.src_dtype, [narrow_pieces(self.parts[0], start, count)],
+            return TensorPlan(name, tuple(shape), self.src_dtype, [narrow_pieces(flat, start, count)],
                               kind=self.kind, rule=self.rule, hub_source=self.name,
                               replicas=[narrow_pieces(r, start, count) for r in self.replicas], module_check=check)
         a, b = self.elem_range or (0, self.numel)
@@ -107,7 +239,7 @@ class TensorPlan:
         return TensorPlan(name, tuple(shape), self.src_dtype, self.parts, kind=self.kind, cat_dim=self.cat_dim,
                           part_shapes=self.part_shapes, keep_rows=self.keep_rows, rule=self.rule,
                           replicas=self.replicas, elem_range=(a + start, a + start + count),
-                          hub_source=self.name)
+                          hub_source=self.name, chunks=self.chunks)
 
 
 @dataclass
@@ -131,6 +263,7 @@ class ExportPlan:
     mp_axis_reason: Optional[str] = None
     engine_version: Optional[str] = None  # the engine release that wrote the files (DeepSpeed's ds_version)
     conversions: List[dict] = field(default_factory=list)  # Hub-layout splits/renames (hub_layout)
+    out_dtype: Optional[str] = None  # floating tensors are written in it; None: each as stored
     # A PEFT adapter (sources/peft.py): what `inspect` shows of adapter_config.json; the export is
     # then the adapter directory PeftModel.save_pretrained writes.
     adapter: Optional[dict] = None
@@ -154,6 +287,7 @@ class ExportPlan:
             "mp_axis": self.mp_axis,
             "mp_axis_reason": self.mp_axis_reason,
             "dtypes": self.dtypes,
+            "out_dtype": self.out_dtype,
             "tensor_count": len(self.tensors),
             "tensors_by_kind": by_kind,
             "parameters": sum(t.numel for t in self.tensors),
@@ -166,12 +300,30 @@ class ExportPlan:
             "conversions": self.conversions,
             "adapter": self.adapter,
             "tensors": [
-                {"name": t.name, "shape": list(t.shape), "dtype": t.src_dtype, "kind": t.kind,
+                {"name": t.name, "shape": list(t.shape), "dtype": t.src_dtype, "out_dtype": t.out_dtype,
+                 "kind": t.kind,
                  "pieces": sum(len(p) for p in t.parts), "cat_dim": t.cat_dim, "rule": t.rule,
-                 "replicas": len(t.replicas), "hub_source": t.hub_source}
+                 "replicas": len(t.replicas), "hub_source": t.hub_source,
+                 "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "pieces": len(c.pieces)}
+                            for c in t.placement()]}
                 for t in self.tensors
             ],
         }
+
+
+def decide_dtypes(plan: ExportPlan, dtype: Optional[str] = None) -> ExportPlan:
+    """Decide, once, the dtype every tensor of ``plan`` is written in: floating tensors take
+    ``dtype`` (``"fp32"``/``"bf16"``/``"fp16"``), by default the fp32 masters' dtype when the
+    checkpoint has them (every other float follows), else each tensor's stored dtype; integer
+    tensors never change. Sets ``plan.out_dtype`` and each ``TensorPlan.out_dtype``; returns ``plan``.
+    Raises :class:`~.errors.OptionError` for an unknown ``dtype``."""
+    requested = dtype_from_name(dtype)
+    if requested is None and "F32" in plan.dtypes.values():
+        requested = "F32"  # default: the fp32 masters, and every other float in the same dtype
+    plan.out_dtype = requested
+    for t in plan.tensors:
+        t.out_dtype = requested if requested is not None and t.src_dtype in FLOATS else t.src_dtype
+    return plan
 
 
 def check_plan(plan: ExportPlan) -> None:
@@ -208,6 +360,16 @@ def check_plan(plan: ExportPlan) -> None:
         if got != want:
             raise LayoutError(f"{where}: its pieces hold {got} elements, its shape needs {want}; please "
                               "report this with `hf-ckpt inspect --json`")
+        if t.chunks is not None or len(t.parts) > 1:
+            if any(p.dtype != t.src_dtype for p in pieces):
+                raise LayoutError(f"{where}: its chunks are of several dtypes; files from different saves are "
+                                  "mixed: copy one save's files again")
+            try:
+                check_tiling(t.assembled_shape(), t.placement())
+            except ValueError as e:
+                raise LayoutError(f"{where}: its chunks do not tile its shape {list(t.assembled_shape())} ({e}); "
+                                  "files from different saves are mixed, or the layout is not read right: "
+                                  "please report it with `hf-ckpt inspect --json`") from None
 
 
 def _utf8(name: str) -> bool:

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
-from .assemble import FileRange, iter_bytes, out_dtype_for
+from .assemble import FileRange, iter_bytes
 from .errors import DestinationError, OptionError
 from .formats import names
 from .formats.config import record_dtype, write_config
@@ -35,7 +35,7 @@ from .formats.names import ADAPTER_SAFETENSORS_NAME, CONFIG_FILES, MAX_SHARD_SIZ
 from .formats.names import SAFETENSORS_PATTERN as SAFETENSORS_FILENAME_PATTERN
 from .formats.safetensors import encode_header
 from .guards import check_destination, copyable_problem
-from .plan import ExportPlan
+from .plan import ExportPlan, decide_dtypes
 from .safe_load import MappedFiles
 
 __all__ = ["OutTensor", "split_shards", "shard_order", "write_shard", "write_index", "copy_config_files", "Staging",
@@ -441,12 +441,12 @@ def plan_tensors(plan: ExportPlan, dtype: Optional[str], files: MappedFiles, *, 
                  ) -> List[OutTensor]:
     """The plan's tensors as :class:`OutTensor`, reading through ``files``; with ``ranges``, stored
     bytes come as :class:`~.assemble.FileRange` (only :func:`write_shard` consumes those)."""
-    requested = dtype_from_name(dtype)
-    if requested is None and "F32" in plan.dtypes.values():
-        requested = "F32"  # default: the fp32 masters, and every other float in the same dtype
+    if (dtype is not None and dtype_from_name(dtype) != plan.out_dtype) or any(t.out_dtype is None
+                                                                              for t in plan.tensors):
+        decide_dtypes(plan, dtype)  # a plan built for another dtype (or by hand): decided here, once
     out = []
     for t in plan.tensors:
-        d = out_dtype_for(t, requested)
+        d = t.out_dtype
         out.append(OutTensor(t.name, d, tuple(t.shape), lambda t=t, d=d: iter_bytes(t, d, files, ranges=ranges)))
     return out
 

@@ -91,6 +91,11 @@ CASES = {
     # torch DCP under FSDP2 (tests/test_dcp.py): plain fully_shard + dcp.save (vocab 1001 over 2 ranks),
     # Accelerate save_state, the Trainer's checkpoint-N.
     **{f"fsdp2-{m}": ("fsdp_train.py", 2, ["--mode", m]) for m in ("plain", "accelerate", "trainer")},
+    # FSDP2 save-time: install_accelerate_hooks + save_model; the Trainer callback, then a resumed run.
+    "fsdp2-accelerate-hooks": ("fsdp_savetime.py", 2, ["--mode", "accelerate-hooks"]),
+    "fsdp2-trainer-cb": ("fsdp_savetime.py", 2, ["--mode", "trainer-cb"]),
+    "fsdp2-trainer-cb-resume": ("fsdp_savetime.py", 2, ["--mode", "trainer-cb", "--resume-from",
+                                                        "fsdp2-trainer-cb/run/checkpoint-2"]),
     # PEFT LoRA under the Trainer + callback + accelerator.save_model (tests/test_peft.py).
     "peft-z3": ("peft_trainer_run.py", 2, ["--stage", "3"]),
     "peft-z3-gather": ("peft_trainer_run.py", 2, ["--stage", "3", "--gather-on-save", "--adapter-name", "mine"]),
@@ -110,6 +115,8 @@ def _cache_key(script: str) -> str:
     paths = [ENGINES / script, ENGINES / "common.py"]
     if "import families" in (ENGINES / script).read_text():
         paths.append(ENGINES / "families.py")
+    if "import fsdp_train" in (ENGINES / script).read_text():
+        paths.append(ENGINES / "fsdp_train.py")
     if any(CASES[name][0] == script for name in ACCELERATE):
         paths += sorted(ACCELERATE_CONFIGS.iterdir())
     if "hf_ckpt_integrations" in (ENGINES / script).read_text():
@@ -143,7 +150,8 @@ def torchrun(script, nproc, args, *, log, timeout=ENGINE_TIMEOUT_S, env=None, ac
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd += [str(script), *map(str, args)]
-    # This checkout's package, not the one the shared venv's editable install points at.
+    # The engine scripts that call the package must import this checkout's (the shared venv's editable
+    # install points at one checkout only).
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                 "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})}

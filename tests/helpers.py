@@ -24,20 +24,28 @@ def leftovers(parent):
 
 def assert_refused(r, *, match=None, dst=None, src=None, digest=None, code=2):
     """The CLI refused cleanly: exit ``code``, exactly one stderr line and it starts ``error: ``
-    (contains ``match``), no traceback; ``dst`` absent with no temp sibling; ``src`` unchanged
-    (``tree_digest`` equal to ``digest``). Returns the error line."""
+    (contains ``match``: a string, or each of a tuple of strings), no traceback; ``dst`` absent
+    with no temp or lock sibling; ``src`` unchanged (``tree_digest`` equal to ``digest``). Returns
+    the error line. The one copy of the refusal contract (DESIGN.md, exit 2)."""
     lines = r.stderr.splitlines()
-    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert r.returncode == code, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr[-2000:]
     assert "Traceback" not in r.stderr
-    if match is not None:
-        assert match in lines[0], lines[0]
+    for m in (match,) if isinstance(match, str) else match or ():
+        assert m in lines[0], lines[0]
     if dst is not None:
         assert not os.path.lexists(dst), dst
         assert leftovers(Path(dst).parent) == []
     if src is not None:
         assert tree_digest(src) == digest
     return lines[0]
+
+
+def export_refused(src, dst, *args, match=None, run=hf_ckpt):
+    """``export SRC DST ARGS`` (through ``run``, the CLI in a fresh process by default) is refused
+    cleanly (:func:`assert_refused`): nothing at ``dst``, ``src`` unchanged. Returns the error line."""
+    before = tree_digest(src)
+    return assert_refused(run("export", src, dst, *args), match=match, dst=dst, src=src, digest=before)
 
 
 def tree_digest(path) -> str:

@@ -86,14 +86,18 @@ def test_synthetic_uneven_and_empty_shards_and_2d_split_export_bitwise(tmp_path)
     b = torch.randn(3, generator=g)  # 4 ranks: 1, 1, 1, 0 (an empty last shard)
     c = torch.randn(6, 8, generator=g).to(torch.bfloat16)  # 2-D mesh: dim 0 over 2, dim 1 over 2
     grid = [((r, k), (3, 4)) for k in (4, 0) for r in (3, 0)]  # recorded out of order on purpose
+    d = torch.randn(2, 5, 6, generator=g)  # split along dims 1 and 2 (uneven), never dim 0
+    blocks = [((0, o1, o2), (2, s1, s2)) for o1, s1 in ((0, 3), (3, 2)) for o2, s2 in ((0, 4), (4, 2))]
     s = torch.tensor(3.5)
     src = write_dcp(tmp_path / "dcp", {"a": (a, _dim0(a, 4)), "b": (b, _dim0(b, 4)), "c": (c, grid),
-                                       "s": (s, [((), ())])},
+                                       "d": (d, blocks), "s": (s, [((), ())])},
                     extra={"optimizer.param_groups.0.lr": None})
     out = _export(src, tmp_path / "out")
-    assert set(out) == {"a", "b", "c", "s"}
-    for name, want in {"a": a, "b": b, "c": c, "s": s}.items():
+    assert set(out) == {"a", "b", "c", "d", "s"}
+    for name, want in {"a": a, "b": b, "c": c, "d": d, "s": s}.items():
         assert out[name].dtype == want.dtype and torch.equal(out[name], want), name
+    v = hf_ckpt("verify", tmp_path / "out", "--against", src)
+    assert v.returncode == 0, v.stdout + v.stderr
     info = hf_ckpt("inspect", src, "--json")
     assert info.returncode == 0 and '"torch-dcp"' in info.stdout, info.stderr
 
@@ -142,7 +146,7 @@ def test_overlapping_chunks_are_refused(tmp_path):
 def test_missing_chunk_is_refused(tmp_path):
     src = _two_chunk_dcp(tmp_path)
     _mutate_metadata(src, lambda md: md.state_dict_metadata["w"].chunks.pop())
-    line = _refused(tmp_path, src, "uncovered")
+    line = _refused(tmp_path, src, "a gap")
     assert ".metadata" in line
 
 
@@ -259,3 +263,35 @@ def test_trainer_fsdp2_both_checkpoints_export(engine_ckpt, tmp_path):
     reference = load_safetensors(root / "reference.safetensors")
     assert set(state) >= set(reference)
     assert any(not torch.equal(state[k], reference[k]) for k in reference)
+
+
+# ---------------------------------------------------------------- save time under FSDP2
+
+
+def test_accelerate_save_model_under_fsdp2_writes_a_complete_hf_dir(engine_ckpt):
+    import json
+
+    root = engine_ckpt("fsdp2-accelerate-hooks")
+    saved = root / "saved"
+    names = sorted(p.name for p in saved.iterdir())
+    assert names == ["config.json", "generation_config.json", "model-00001-of-00003.safetensors",
+                     "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
+                     "model.safetensors.index.json"], names
+    assert json.loads((saved / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert_bitwise_equal(load_hf_state(saved, torch.float32), load_safetensors(root / "reference.safetensors"))
+
+
+def test_trainer_callback_under_fsdp2_makes_every_checkpoint_loadable_and_resume_works(engine_ckpt):
+    root = engine_ckpt("fsdp2-trainer-cb")
+    reference = load_safetensors(root / "reference.safetensors")
+    states = {}
+    for step in (2, 4):
+        ckpt = root / "run" / f"checkpoint-{step}"
+        assert (ckpt / "config.json").is_file() and (ckpt / "pytorch_model_fsdp_0").is_dir()
+        states[step] = load_hf_state(ckpt, torch.float32)
+    assert_bitwise_equal(states[4], reference)
+    assert any(not torch.equal(states[2][k], reference[k]) for k in reference)
+    # The same checkpoint exports offline to the same bytes (the DCP files stay the source of truth).
+    resumed = engine_ckpt("fsdp2-trainer-cb-resume")
+    assert not (resumed / "run" / "checkpoint-2").exists()  # resumed at step 2: only step 4 saved
+    assert_bitwise_equal(load_hf_state(resumed / "run" / "checkpoint-4", torch.float32), states[4])

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, hf_ckpt, tree_digest
+from helpers import REPO, assert_refused, export_refused, hf_ckpt, tree_digest
 
 pytestmark = pytest.mark.engine
 
@@ -58,17 +58,7 @@ def _leftovers(parent):
 
 
 def _refused(src, tmp_path, config, *extra, match):
-    dst = tmp_path / "out"
-    before = tree_digest(src)
-    r = hf_ckpt("export", src, dst, "--config", config, *extra)
-    assert r.returncode == 2, r.stdout + r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    assert "Traceback" not in r.stderr
-    assert match in lines[0], lines[0]
-    assert not dst.exists() and not _leftovers(tmp_path)
-    assert tree_digest(src) == before
-    return lines[0]
+    return export_refused(src, tmp_path / "out", "--config", config, *extra, match=match)
 
 
 def _resave(path, edit):
@@ -226,9 +216,7 @@ def test_disk_full_on_a_small_tmpfs(engine_ckpt, tmp_path):
         before = tree_digest(dst)
         for target, extra in ((dst, ["--overwrite"]), (fs / "other", [])):
             r = hf_ckpt("export", src, target, "--config", config, "--quiet", *extra)
-            assert r.returncode == 2, r.stderr
-            lines = r.stderr.strip().splitlines()
-            assert len(lines) == 1 and lines[0].startswith("error: ") and "no space left" in lines[0], r.stderr
+            assert_refused(r, match="no space left")
             assert sorted(p.name for p in fs.iterdir()) == ["out"]  # nothing partial, no temp, no lock
             assert tree_digest(dst) == before
 
@@ -247,10 +235,7 @@ def test_disk_full_as_a_file_size_limit(engine_ckpt, tmp_path):
     r = subprocess.run([sys.executable, "-m", "hf_ckpt_integrations", "export", case / "ckpt", dst, "--config",
                         case / "config", "--quiet"], capture_output=True, text=True, cwd=REPO, timeout=120,
                        preexec_fn=_limit_file_size(256 * 1024))
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "no space left" in lines[0], r.stderr
-    assert not dst.exists() and _leftovers(tmp_path) == []
+    assert_refused(r, match="no space left", dst=dst)
 
 
 # ---------------------------------------------------------------- concurrent exports

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_ckpt_integrations import export_checkpoint
-from hf_ckpt_integrations.sources.deepspeed import build_plan
+from hf_ckpt_integrations.sources import build_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from synth_ckpt import make_checkpoint  # noqa: E402

@@ -92,7 +92,7 @@ def save_model_config(model, directory) -> List[str]:
         return []
     config = copy.deepcopy(config)
     if _is_pretrained_model(model):
-        config.architectures = [type(model).__name__]  # as save_pretrained records it
+        config.architectures = [model_class_name(model)]  # as save_pretrained records it
     config.save_pretrained(directory)
     written = [CONFIG_NAME]
     gen = getattr(model, "generation_config", None)
@@ -101,6 +101,15 @@ def save_model_config(model, directory) -> List[str]:
         gen.save_pretrained(directory)
         written.append("generation_config.json")
     return written
+
+
+def model_class_name(model) -> str:
+    """The model's own class name: FSDP2's ``fully_shard`` swaps in a subclass made in torch
+    (``FSDPLlamaForCausalLM``); ``save_pretrained`` of the model records the class it wraps."""
+    for cls in type(model).__mro__:
+        if not cls.__module__.startswith("torch."):
+            return cls.__name__
+    return type(model).__name__
 
 
 def _is_pretrained_model(model) -> bool:

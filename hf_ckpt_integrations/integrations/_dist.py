@@ -27,7 +27,8 @@ from ..writer import (INDEX_NAME, MAX_SHARD_SIZE, OutTensor, copy_config_files, 
                       split_shards, write_index, write_shard)
 
 __all__ = ["SaveError", "rank_world", "barrier", "all_ranks_ok", "broadcast_from_0", "write_distributed",
-           "existing_weights", "existing_weights_dtype", "remove_weights", "consolidate_checkpoint", "STAGING_NAME"]
+           "existing_weights", "existing_weights_dtype", "remove_weights", "consolidate_checkpoint", "STAGING_NAME",
+           "split_files"]
 
 STAGING_NAME = ".hfckpt-tmp-weights"
 
@@ -169,7 +170,7 @@ def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_S
 
         split = SimpleNamespace(filename_to_tensors={one_file: [t.name for t in tensors]}, is_sharded=False)
     else:
-        split = _split(tensors, max_shard_size, fmt)
+        split = split_files(tensors, max_shard_size, fmt)
     by_name = {t.name: t for t in tensors}
     error = None
     if rank == 0:
@@ -215,7 +216,8 @@ def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_S
             "written_here": written, "sharded": split.is_sharded}
 
 
-def _split(tensors, max_shard_size, fmt):
+def split_files(tensors, max_shard_size, fmt):
+    """The shard split :func:`write_distributed` makes (``fmt``: "safetensors" or "bin")."""
     if fmt == "safetensors":
         return split_shards(list(tensors), max_shard_size)
     return _split_names({t.name: t for t in tensors}, lambda t: t.nbytes, max_shard_size=max_shard_size,
@@ -266,6 +268,21 @@ def _commit(staging, dst, split, tensors, config_dir, replace_existing, fmt="saf
         copy_config_files(config_dir, dst, tensors=tensors)
     shutil.rmtree(staging, ignore_errors=True)
     fsync_dir(dst)
+
+
+def write_config_on_rank0(module, directory, tensors=None, *, keep_existing: bool = False) -> None:
+    """Rank 0 writes config.json (with the dtype of ``tensors``, as save_pretrained records it); a
+    failure there raises on every rank. ``keep_existing``: rank 0 leaves a config.json already there
+    (only rank 0 looks: every rank takes part in the collective whatever it finds). Collective."""
+    from ..formats.config import write_config
+
+    error = None
+    if rank_world()[0] == 0 and not (keep_existing and os.path.isfile(os.path.join(directory, "config.json"))):
+        try:
+            write_config(directory, model=module, tensor_dtypes=[t.dtype for t in tensors or ()])
+        except Exception as e:
+            error = e
+    all_ranks_ok(error, f"writing config.json into {directory}")
 
 
 def consolidate_checkpoint(checkpoint_dir, *, tag: Optional[str] = None, dtype: Optional[str] = None,

@@ -34,7 +34,7 @@ from typing import Optional
 from ..formats.config import write_config
 from ..formats.dtypes import training_dtype
 from ..writer import MAX_SHARD_SIZE
-from ._dist import SaveError, all_ranks_ok, consolidate_checkpoint, rank_world, write_distributed
+from ._dist import SaveError, consolidate_checkpoint, rank_world, write_config_on_rank0, write_distributed
 
 __all__ = ["install_accelerate_hooks", "save_model"]
 
@@ -47,20 +47,11 @@ def _supported(accelerator) -> bool:
     from accelerate.utils import DistributedType
 
     dt = accelerator.distributed_type
+    if dt == DistributedType.FSDP:  # FSDP2 (DTensor parameters) only; FSDP1's flat parameters are not read live
+        plugin = getattr(accelerator.state, "fsdp_plugin", None)
+        return getattr(plugin, "fsdp_version", 1) == 2
     return dt in (DistributedType.DEEPSPEED, DistributedType.NO, DistributedType.MULTI_CPU,
                   DistributedType.MULTI_GPU)
-
-
-def _write_config_on_rank0(module, directory, tensors=None) -> None:
-    """Rank 0 writes config.json (with the dtype of ``tensors``, as save_pretrained records it); a
-    failure there raises on every rank. Collective."""
-    error = None
-    if rank_world()[0] == 0:
-        try:
-            write_config(directory, model=module, tensor_dtypes=[t.dtype for t in tensors or ()])
-        except Exception as e:
-            error = e
-    all_ranks_ok(error, f"writing config.json into {directory}")
 
 
 def save_model(accelerator, model, save_directory, max_shard_size=_ACCELERATE_DEFAULT_SHARD,
@@ -84,7 +75,7 @@ def save_model(accelerator, model, save_directory, max_shard_size=_ACCELERATE_DE
                                collective=reads_are_collective(module), replace_existing=True,
                                fmt="safetensors" if safe_serialization else "bin",
                                what=f"accelerator.save_model into {save_directory}")
-    _write_config_on_rank0(module, save_directory, tensors)
+    write_config_on_rank0(module, save_directory, tensors)
     return report
 
 
@@ -99,7 +90,7 @@ def _save_state_pre_hook(accelerator, dtype, max_shard_size):
             return
         # save_state has already run model.save_checkpoint(output_dir, "pytorch_model") on all ranks.
         module = accelerator.unwrap_model(models[0])
-        _write_config_on_rank0(module, output_dir)
+        write_config_on_rank0(module, output_dir)
         consolidate_checkpoint(output_dir, tag="pytorch_model", dtype=dtype or training_dtype(module),
                                max_shard_size=max_shard_size,
                                what=f"accelerator.save_state HF copy in {output_dir}")

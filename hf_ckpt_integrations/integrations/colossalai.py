@@ -46,7 +46,7 @@ def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, d
     Returns the writer's report. Raises :class:`~._dist.SaveError` on every rank when any failed.
     """
     from ..sources.colossalai import bind_tensors, describe_model
-    from ._dist import _split
+    from ._dist import split_files
 
     if hasattr(model, "_force_wait_all_gather"):
         model._force_wait_all_gather()  # ZeRO overlap_allgather may still be filling the params
@@ -62,7 +62,7 @@ def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, d
     # The same split write_distributed makes: tells every rank who writes (so who receives) each tensor.
     sized = bind_tensors(infos, module, lambda name: 0, dtype=dtype)
     _, world = rank_world()
-    split = _split(sized, max_shard_size, "safetensors")
+    split = split_files(sized, max_shard_size, "safetensors")
     writer = {n: i % world for i, names in enumerate(split.filename_to_tensors.values()) for n in names}
     tensors = bind_tensors(infos, module, writer.__getitem__, dtype=dtype)
     what = f"booster.save_model into {checkpoint}"

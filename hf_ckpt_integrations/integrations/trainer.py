@@ -1,7 +1,9 @@
 """``ConsolidatedCheckpointCallback``: every Trainer ``checkpoint-N/`` also holds loadable HF weights.
 
 When ``on_save`` fires, the Trainer has already written ``checkpoint-N/`` including DeepSpeed's
-``global_stepN/`` (every rank's partition files, behind DeepSpeed's closing barrier). The callback
+``global_stepN/`` (every rank's partition files, behind DeepSpeed's closing barrier) or, under FSDP
+with ``SHARDED_STATE_DICT``, ``pytorch_model_fsdp_0/`` (torch DCP, behind ``dcp.save``'s barrier;
+the callback also writes ``config.json`` from the model, which the Trainer does not write there). The callback
 builds the export plan from those files — exactly the state a resume loads — and writes the HF
 shards with the writer's building blocks, spread over the ranks (see :mod:`._dist`). Nothing is
 gathered in memory: each rank streams byte ranges of the partition files.
@@ -27,7 +29,7 @@ from transformers import TrainerCallback
 
 from ..formats.dtypes import from_user as dtype_from_name, training_dtype
 from ..writer import MAX_SHARD_SIZE
-from ._dist import barrier, consolidate_checkpoint, existing_weights
+from ._dist import barrier, consolidate_checkpoint, existing_weights, write_config_on_rank0
 
 __all__ = ["ConsolidatedCheckpointCallback", "consolidate_checkpoint", "save_model", "training_dtype"]
 
@@ -35,7 +37,22 @@ logger = logging.getLogger(__name__)
 
 def _has_engine_checkpoint(directory) -> bool:
     return os.path.isfile(os.path.join(directory, "latest")) or any(
-        n.startswith("global_step") for n in os.listdir(directory))
+        n.startswith("global_step") for n in os.listdir(directory)) or _has_dcp(directory)
+
+
+def _has_dcp(directory) -> bool:
+    """An FSDP checkpoint (``pytorch_model_fsdp_0/``, torch DCP): the Trainer writes no config.json beside it."""
+    from ..sources.dcp import find_dcp_dir
+
+    return find_dcp_dir(directory) is not None
+
+
+def _consolidate_engine_checkpoint(directory, model, **kwargs) -> dict:
+    """HF weights (and, for an FSDP checkpoint, config.json from ``model``) into ``directory`` from the
+    engine checkpoint the Trainer has just written there. Collective."""
+    if model is not None and _has_dcp(directory):  # the same answer on every rank (the DCP save is behind)
+        write_config_on_rank0(model, directory, keep_existing=True)
+    return consolidate_checkpoint(directory, **kwargs)
 
 
 def save_model(trainer, output_dir: Optional[str] = None, *, dtype: Optional[str] = None,
@@ -57,8 +74,8 @@ def save_model(trainer, output_dir: Optional[str] = None, *, dtype: Optional[str
         return consolidate_adapter(output_dir, trainer.model, dtype=dtype)
     if not _has_engine_checkpoint(output_dir):
         return {"action": "kept", "files": existing_weights(output_dir)}
-    return consolidate_checkpoint(output_dir, dtype=dtype or training_dtype(trainer.model),
-                                  max_shard_size=max_shard_size, existing=existing)
+    return _consolidate_engine_checkpoint(output_dir, trainer.model, dtype=dtype or training_dtype(trainer.model),
+                                          max_shard_size=max_shard_size, existing=existing)
 
 
 class ConsolidatedCheckpointCallback(TrainerCallback):
@@ -100,8 +117,8 @@ class ConsolidatedCheckpointCallback(TrainerCallback):
             report = self.reports[directory] = consolidate_adapter(directory, model, dtype=self.dtype)
             return report
         dtype = self.dtype or training_dtype(model)
-        report = consolidate_checkpoint(directory, dtype=dtype, max_shard_size=self.max_shard_size,
-                                        existing=self.existing)
+        report = _consolidate_engine_checkpoint(directory, model, dtype=dtype, max_shard_size=self.max_shard_size,
+                                                existing=self.existing)
         self.reports[directory] = report
         logger.info("hf_ckpt_integrations: %s HF weights in %s", report["action"], directory)
         return report

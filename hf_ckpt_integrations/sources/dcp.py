@@ -13,8 +13,9 @@ state dict (``("model", "model.embed_tokens.weight")`` under Accelerate).
 Nothing here imports torch or runs the pickles: ``.metadata`` is read by
 :func:`~..safe_load.loads` with the allowlist :data:`ALLOWED` (the DCP dataclasses rebuilt as
 inert :class:`~..safe_load.Record` s), each chunk's archive by :func:`~..safe_load.load` over its
-byte range, so an output tensor is the chunks' byte ranges laid end to end (dim-0 shards), or
-slices concatenated along one other dimension (a 2-D mesh). Optimizer state and non-tensor
+byte range. Chunks become :class:`~..plan.Chunk` s placed by their N-D offsets (checked to tile
+each tensor exactly once): dim-0 shards (FSDP2) are byte ranges laid end to end, any other
+layout (a 2-D FSDP x TP mesh) is assembled from its chunks. Optimizer state and non-tensor
 entries are skipped.
 """
 
@@ -24,10 +25,17 @@ from typing import Dict, List, Optional, Tuple
 
 from .. import safe_load
 from ..errors import CheckpointError, LayoutError, one_line
-from ..plan import ExportPlan, Piece, TensorPlan
+from ..plan import Chunk, ExportPlan, Piece, TensorPlan, check_tiling, row_major_pieces
 from ..safe_load import Record, record_type, short_repr
 
-__all__ = ["ALLOWED", "find_dcp_dir", "read_metadata", "build_plan", "DcpTensor"]
+__all__ = ["ALLOWED", "find_dcp_dir", "read_metadata", "build_plan", "DcpTensor", "NAME", "LOOKS_FOR",
+           "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "detect", "config_candidates", "plan"]
+
+# The source protocol (sources/registry.py).
+NAME = "torch-dcp"
+LOOKS_FOR = "a torch DCP checkpoint (.metadata + *.distcp, or pytorch_model_fsdp_0/ holding one)"
+MEMORY_NAMES = True  # the model's own parameter names: the Hub-layout pass applies
+TIED_UNDER_BOTH_NAMES = True  # FSDP state dicts hold a tied weight under both names (passes.tie_embeddings)
 
 METADATA = ".metadata"
 # Where Accelerate's save_state / save_model and the Trainer put the model's DCP checkpoint.
@@ -81,6 +89,21 @@ class DcpTensor:
 
     def __init__(self, dtype: str, size: Tuple[int, ...], chunks: List[Tuple[Tuple[int, ...], Tuple[int, ...]]]):
         self.dtype, self.size, self.chunks = dtype, size, chunks
+
+
+def detect(path: str, tag: Optional[str] = None) -> bool:
+    """A DCP checkpoint in ``path`` or its ``pytorch_model_fsdp_0/`` (no tag: DCP has none)."""
+    return tag is None and find_dcp_dir(path) is not None
+
+
+def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
+    return [path, find_dcp_dir(path), os.path.dirname(os.path.abspath(path))]
+
+
+def plan(path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None, config_dir: Optional[str] = None,
+         tp_rules=None) -> ExportPlan:
+    """The registry's entry point: :func:`build_plan` of the DCP directory ``path`` is or holds."""
+    return build_plan(find_dcp_dir(path), config_dir=config_dir, source=os.path.abspath(path))
 
 
 def find_dcp_dir(src: str) -> Optional[str]:
@@ -192,52 +215,22 @@ def model_names(paths: Dict[str, Tuple[str, ...]]) -> Dict[str, str]:
     return {fqn: ".".join(p) for fqn, p in paths.items() if p[0] not in _NOT_MODEL}
 
 
-def _placement(name, t: DcpTensor, where):
-    """``(cat_dim, columns)``: the chunks grouped into slices along ``cat_dim`` (None: one slice), each
-    slice's chunks in dim-0 order, after checking they tile the tensor exactly once."""
-    size = t.size
-    chunks = [c for c in t.chunks if math.prod(c[1]) > 0]  # an empty last shard holds nothing
-    for off, sz in chunks:
-        if len(off) != len(size) or len(sz) != len(size) or any(o + s > d for o, s, d in zip(off, sz, size)):
-            raise LayoutError(f"{where}: a chunk of {name} (offsets {list(off)}, sizes {list(sz)}) lies outside its "
-                              f"size {list(size)}; the checkpoint is corrupt or crafted: copy it again")
-    total = sum(math.prod(sz) for _, sz in chunks)
-    if len(size) == 0:
-        if len(chunks) != 1:
-            raise LayoutError(f"{where}: scalar {name} has {len(chunks)} chunks; the checkpoint is corrupt")
-        return None, [chunks]
-    split = sorted({d for off, sz in chunks for d in range(len(size)) if off[d] != 0 or sz[d] != size[d]} - {0})
-    if len(split) > 1:
-        raise LayoutError(f"{where}: {name} is split along dimensions {split}; hf-ckpt places DCP chunks split "
-                          "along dim 0 and at most one other dimension: please report this layout")
-    cat = split[0] if split else None
-    columns: Dict[Tuple[int, int], list] = {}
-    for off, sz in chunks:
-        columns.setdefault((off[cat], sz[cat]) if cat is not None else (0, 0), []).append((off, sz))
-    ordered, expect_col = [], 0
-    for (col_off, col_size), cs in sorted(columns.items()):
-        if cat is not None and col_off != expect_col:
-            raise _coverage(name, where, total, size, col_off < expect_col)
-        cs.sort(key=lambda c: c[0][0])
-        row = 0
-        for off, sz in cs:
-            if off[0] != row:
-                raise _coverage(name, where, total, size, off[0] < row)
-            row += sz[0]
-        if row != size[0]:
-            raise _coverage(name, where, total, size, row > size[0])
-        ordered.append(cs)
-        expect_col += col_size
-    if cat is not None and expect_col != size[cat] or not chunks and math.prod(size):
-        raise _coverage(name, where, total, size, False)
-    return cat, ordered
-
-
-def _coverage(name, where, total, size, overlap):
-    what = "overlap" if overlap else "leave part of it uncovered"
-    return LayoutError(f"{where}: the chunks recorded for {name} ({total} elements for a size of {list(size)}) {what}; "
-                       "a rank's shard is missing or the metadata belongs to another save: copy the whole checkpoint "
-                       "directory again")
+def _chunks(name, t: DcpTensor, where, piece_of) -> List[Chunk]:
+    """The non-empty chunks of ``t`` (an empty last shard holds nothing), each holding the piece
+    ``piece_of(offsets, sizes)`` gives, after checking they tile the tensor exactly once (refused
+    naming ``.metadata`` otherwise: missing, overlapping or uncovered chunks)."""
+    shaped = [(off, sz) for off, sz in t.chunks if len(off) == len(t.size) == len(sz)]
+    if len(shaped) != len(t.chunks):
+        raise LayoutError(f"{where}: a chunk of {name} has offsets or sizes of another rank than its size "
+                          f"{list(t.size)}; the checkpoint is corrupt or crafted: copy it again")
+    boxes = [Chunk((Piece("", 0, math.prod(sz), t.dtype),), off, sz) for off, sz in shaped if math.prod(sz)]
+    try:
+        check_tiling(t.size, boxes)
+    except ValueError as e:
+        raise LayoutError(f"{where}: the chunks recorded for {name} do not tile its size {list(t.size)} ({e}); a "
+                          "rank's shard is missing or the metadata belongs to another save: copy the whole "
+                          "checkpoint directory again") from None
+    return [Chunk((piece_of(c.offsets, c.sizes),), c.offsets, c.sizes) for c in boxes]
 
 
 def _chunk_piece(dcp_dir, name, fqn, dtype, off, sz, storage, where) -> Piece:
@@ -273,19 +266,15 @@ def build_plan(dcp_dir: str, *, config_dir: Optional[str] = None, source: Option
     split_dims = set()
     for fqn, name in names.items():
         t = tensors[fqn]
-        cat, columns = _placement(name, t, where)
-        parts = [[_chunk_piece(dcp_dir, name, fqn, t.dtype, off, sz, storage, where) for off, sz in col]
-                 for col in columns]
-        n = sum(len(col) for col in columns)
-        chunk_counts[n] = chunk_counts.get(n, 0) + 1
-        split_dims.update(d for col in columns for off, sz in col for d in range(len(t.size))
-                          if off[d] or sz[d] != t.size[d])
-        if cat is None:
-            out.append(TensorPlan(name, t.size, t.dtype, parts, kind="module"))
-        else:
-            shapes = [tuple(col[0][1][cat] if d == cat else t.size[d] for d in range(len(t.size))) for col in columns]
-            out.append(TensorPlan(name, t.size, t.dtype, parts, kind="module", cat_dim=cat, part_shapes=shapes,
-                                  rule=f"DCP chunk offsets (dim {cat})"))
+        chunks = _chunks(name, t, where, lambda off, sz, fqn=fqn, t=t, name=name: _chunk_piece(
+            dcp_dir, name, fqn, t.dtype, off, sz, storage, where))
+        chunk_counts[len(chunks)] = chunk_counts.get(len(chunks), 0) + 1
+        split_dims.update(d for c in chunks for d in range(len(t.size)) if c.offsets[d] or c.sizes[d] != t.size[d])
+        flat = row_major_pieces(t.size, chunks)
+        if flat is not None:  # dim-0 shards (FSDP2): the chunks' bytes laid end to end, a byte-range copy
+            out.append(TensorPlan(name, t.size, t.dtype, [flat], kind="module"))
+        else:  # split along another dim too (FSDP x TP): assembled from the N-D chunks
+            out.append(TensorPlan.from_chunks(name, t.size, t.dtype, chunks, kind="module"))
     dtypes = {t.src_dtype for t in out}
     files = sorted({p.path for t in out for part in t.parts for p in part})
     skipped = len(tensors) - len(names)
@@ -298,33 +287,3 @@ def build_plan(dcp_dir: str, *, config_dir: Optional[str] = None, source: Option
     return ExportPlan(engine="torch-dcp", source=source or dcp_dir, tag=None, stage=None, dp_size=shards, mp_size=1,
                       mp_axis="none", tensors=out, dtypes={"module": dtypes.pop()} if len(dtypes) == 1 else {},
                       config_dir=config_dir, files=files, notes=notes)
-
-
-# Input-embedding names of the transformers families whose output embedding save_pretrained ties to it.
-_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight", "shared.weight",
-               "embeddings.weight")
-
-
-def tie_aliases(plan: ExportPlan) -> None:
-    """FSDP state dicts hold tied weights under both names (``lm_head.weight`` and the input
-    embedding): when config.json ties them, write the embedding once, as ``save_pretrained`` does,
-    and check the other copy is byte-identical to it (a replica, never written)."""
-    from ..guards import read_config
-
-    cfg = read_config(plan.config_dir)
-    tied = cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", True)
-                   if isinstance(cfg.get("text_config"), dict) else True)
-    by_name = {t.name: t for t in plan.tensors}
-    head = by_name.get("lm_head.weight")
-    if tied is not True or head is None:
-        return
-    embeds = [t for t in plan.tensors if t.name.endswith(_EMBEDDINGS) and t.shape == head.shape
-              and t.src_dtype == head.src_dtype]
-    if len(embeds) != 1:
-        return
-    emb = embeds[0]
-    if len(emb.parts) == 1 and len(head.parts) == 1:
-        emb.replicas.append([p for p in head.parts[0]])
-    plan.tensors = [t for t in plan.tensors if t is not head]
-    plan.aliases[head.name] = emb.name
-    plan.notes.append(f"config.json ties the word embeddings: {head.name} written once, as {emb.name}")

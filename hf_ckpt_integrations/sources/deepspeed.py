@@ -17,10 +17,14 @@ from .. import guards, safe_load
 from ..errors import CheckpointError, LayoutError
 from ..plan import ExportPlan, Piece, TensorPlan, dtype_from_name
 from . import layout
-from .hub_layout import convert_plan
 from .tp_rules import Rule, concat_shape, hf_plans_for, parse_user_rule, rule_from_hf_plan, rule_from_universal_info, rule_from_user
 
-__all__ = ["build_plan", "resolve_tag_dir", "find_config_dir", "drop_tied_aliases"]
+__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "detect", "config_candidates", "plan", "resolve_tag_dir",
+           "holds_checkpoint"]
+
+NAME = "deepspeed"
+LOOKS_FOR = "a DeepSpeed save (a 'latest' file, global_step* tag dirs, *_model_states.pt / *_optim_states.pt)"
+MEMORY_NAMES = True  # the model's own parameter names: the Hub-layout pass applies
 
 _OPTIM_RE = re.compile(r"^(?:(bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -67,19 +71,33 @@ def resolve_tag_dir(src: str, tag: Optional[str] = None):
                           "checkpoint-N dir")
 
 
+def detect(path: str, tag: Optional[str] = None) -> bool:
+    """A DeepSpeed save claims ``path`` when a tag is asked for, or it holds ``latest``, DeepSpeed
+    rank files or tag dirs of them: :func:`plan` then says precisely what is wrong with it."""
+    return (tag is not None or os.path.lexists(os.path.join(path, "latest")) or _is_tag_dir(path)
+            or bool(_list_tags(path)))
+
+
+def holds_checkpoint(path: str) -> bool:
+    """True when a DeepSpeed checkpoint resolves in ``path`` without a tag (a Trainer checkpoint-N)."""
+    try:
+        resolve_tag_dir(path)
+        return True
+    except CheckpointError:
+        return False
+
+
+def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
+    """The tag dir, the save dir, its parent: where a user keeps config.json beside a DeepSpeed save."""
+    path = os.path.abspath(path)
+    return [resolve_tag_dir(path, tag)[0], path, os.path.dirname(path)]
+
+
 def _list_tags(src: str) -> List[str]:
     try:
         return sorted(n for n in os.listdir(src) if _is_tag_dir(os.path.join(src, n)))
     except OSError:
         return []
-
-
-def find_config_dir(candidates) -> Optional[str]:
-    """The first candidate holding a usable config.json (a regular file inside it, see guards)."""
-    for d in candidates:
-        if d and guards.config_problem(d) is None:
-            return d
-    return None
 
 
 def _claim(ranks: dict, rank, value, tag_dir, name, name_of):
@@ -118,10 +136,11 @@ class _Rank:
         return self._osd
 
 
-def build_plan(src: str, *, tag: Optional[str] = None, dtype: Optional[str] = None,
-               config: Optional[str] = None, tp_rules=None) -> ExportPlan:
+def plan(src: str, *, tag: Optional[str] = None, dtype: Optional[str] = None, config_dir: Optional[str] = None,
+         tp_rules=None) -> ExportPlan:
     """Plan the export of a DeepSpeed ZeRO checkpoint (see the module docstring).
 
+    ``config_dir``: the config the registry found (its TP merge rules are read from it).
     ``tp_rules``: ``["PATTERN=0|1|replicated", ...]`` for model-parallel parameters that neither
     the checkpoint nor the HF config describes (see :mod:`.tp_rules`).
     """
@@ -133,6 +152,7 @@ def build_plan(src: str, *, tag: Optional[str] = None, dtype: Optional[str] = No
     src = os.path.abspath(src)
     tag_dir, tag = resolve_tag_dir(src, tag)
     names = sorted(os.listdir(tag_dir))
+    guards.refuse_unreadable_layouts(tag_dir, names)
     optim: Dict[int, Dict[int, _Rank]] = {}
     prefixes = set()
     models: Dict[int, Dict[Optional[int], str]] = {}
@@ -161,26 +181,15 @@ def build_plan(src: str, *, tag: Optional[str] = None, dtype: Optional[str] = No
         raise LayoutError(f"{tag_dir}: model-parallel ranks {mp_ranks} of optimizer files and "
                           f"{sorted(models)} of model files do not match 0..N-1; a rank file is missing: "
                           "copy the whole tag directory again")
-    if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
-        raise CheckpointError(f"{config}: no config.json there; pass --config a directory holding the "
-                              "model's config.json (e.g. from model.config.save_pretrained(dir))")
-    config_dir = config if config is not None else find_config_dir([tag_dir, src, os.path.dirname(src)])
     per_mp = [_plan_mp_rank(tag_dir, mp, optim[mp], models[mp], out_dtype) for mp in mp_ranks]
     if len(per_mp) == 1:
-        plan = per_mp[0][0]
+        out = per_mp[0][0]
     else:
-        plan = _merge_model_parallel(tag_dir, per_mp, config_dir, user_rules)
-    plan.source = src
-    plan.tag = tag
-    plan.mp_size = len(mp_ranks)
-    plan.config_dir = config_dir
-    if plan.config_dir is None:
-        plan.notes.append("no config.json found next to the checkpoint: pass --config DIR, or the "
-                          "exported directory will not load with from_pretrained")
-    else:
-        drop_tied_aliases(plan)
-        convert_plan(plan)
-    return plan
+        out = _merge_model_parallel(tag_dir, per_mp, config_dir, user_rules)
+    out.source = src
+    out.tag = tag
+    out.mp_size = len(mp_ranks)
+    return out
 
 
 def _merge_model_parallel(tag_dir, per_mp, config_dir, user_rules) -> ExportPlan:
@@ -655,18 +664,3 @@ def _plan_zero3_frozen(model_files, dp, tensors):
                                   "elements; files from different saves are mixed")
             pieces.append(_tensor_pieces(ref, 0, count))
         tensors[name] = TensorPlan(name, shape, pieces[0].dtype, [pieces], kind="frozen")
-
-
-def drop_tied_aliases(plan: ExportPlan):
-    """Tied names (``lm_head.weight`` -> ``model.embed_tokens.weight``) are written once, as
-    ``save_pretrained`` does; ``from_pretrained`` re-ties them. Kept when the config says the
-    weights are not tied (the engine shared them by hand)."""
-    cfg = guards.read_config(plan.config_dir)
-    if cfg.get("tie_word_embeddings", True) is False and plan.aliases:
-        by_name = {t.name: t for t in plan.tensors}
-        for alias, target in plan.aliases.items():
-            if target in by_name and alias not in by_name:
-                t = by_name[target]
-                plan.tensors.append(TensorPlan(alias, t.shape, t.src_dtype, t.parts, kind=t.kind))
-        plan.notes.append("config.json says tie_word_embeddings=false: tied aliases written as copies")
-        plan.aliases = {}

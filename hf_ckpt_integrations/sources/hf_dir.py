@@ -7,7 +7,7 @@ storages); ``export`` rewrites the tensors as lean safetensors; ``verify`` compa
 """
 
 import os
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from .. import safe_load
 from ..errors import CheckpointError, LayoutError
@@ -15,16 +15,33 @@ from ..formats.dtypes import SIZES
 from ..formats.names import has_weights, weight_names
 from ..formats.safetensors import read_hf_dir
 from ..plan import ExportPlan, Piece, TensorPlan
+from . import deepspeed
 from .audit import audit
 
-__all__ = ["is_hf_dir", "build_plan"]
+__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "detect", "config_candidates", "plan", "is_hf_dir"]
+
+NAME = "hf-directory"
+LOOKS_FOR = "an HF directory (model.safetensors[.index.json] or pytorch_model.bin[.index.json])"
+MEMORY_NAMES = False  # already what save_pretrained wrote: no Hub-layout pass, tied names as stored
 
 
 def is_hf_dir(path: str) -> bool:
     return has_weights(path)
 
 
-def build_plan(path: str, *, config_dir: Optional[str] = None) -> ExportPlan:
+def detect(path: str, tag: Optional[str] = None) -> bool:
+    """HF weights in ``path`` — unless it also holds a DeepSpeed checkpoint (a Trainer checkpoint-N),
+    whose fp32 masters come first — and no tag asked for."""
+    return tag is None and has_weights(path) and not deepspeed.holds_checkpoint(path)
+
+
+def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
+    return [os.path.abspath(path)]
+
+
+def plan(path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None, config_dir: Optional[str] = None,
+         tp_rules=None) -> ExportPlan:
+    """Plan the export of the HF directory ``path`` (``tag``, ``dtype``, ``tp_rules`` do not apply)."""
     path = os.path.abspath(path)
     tensors: Dict[str, TensorPlan] = {}
     found = weight_names(path)  # checks the index before anything reads through it

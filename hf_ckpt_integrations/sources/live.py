@@ -16,6 +16,9 @@ Nothing is copied up front. Each tensor's ``chunks()`` yields its own bytes when
   ``drain()``, which takes part and drops the bytes. The next partition is received while the
   current one is written (two buffers at most). A chunk is valid until the next one is asked for
   (the buffers are reused);
+- FSDP2 (``fully_shard``: parameters are DTensors): each tensor is gathered when its shard is
+  written (``full_tensor()``, a collective on the tensor's mesh), one tensor at a time, and dropped
+  after; a DTensor that is already whole (``Replicate`` placements) is read in place;
 - DeepSpeed AutoTP (``tensor_parallel.autotp_size``): the parameter's layer gathers its slices
   with the layer's own ``gather_params`` (the inverse of the split it made, uneven vocab splits
   included), also a collective, and the parameter gets back its original ``.data`` afterwards —
@@ -63,9 +66,22 @@ def own_bytes(t, cast):
 
 
 def reads_are_collective(module) -> bool:
-    """True when reading a parameter is a collective (ZeRO-3 partitions, AutoTP slices)."""
+    """True when reading a parameter is a collective (ZeRO-3 partitions, AutoTP slices, FSDP2 DTensors)."""
     return any((hasattr(p, "ds_id") and hasattr(p, "ds_shape")) or getattr(p, "ds_is_replaced_module", False)
-               for p in module.parameters())
+               or _is_dtensor(p) for p in module.state_dict(keep_vars=True).values() if p is not None)
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor" or (hasattr(t, "full_tensor") and hasattr(t, "placements"))
+
+
+def _dtensor_reader(t, cast):
+    def read(lo, hi):
+        full = t.full_tensor()  # collective on t's mesh: every rank walks the same tensors in order
+        yield own_bytes(_flat(full)[lo:hi], cast)
+        del full
+
+    return read
 
 
 def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> List[LiveTensor]:
@@ -106,6 +122,8 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> List[Li
             shape, read = _autotp_reader(name, t, owner, cast)
         elif hasattr(t, "ds_id") and hasattr(t, "ds_shape"):
             shape, read = tuple(t.ds_shape), _zero3_reader(t, cast)
+        elif _is_dtensor(t):
+            shape, read = tuple(t.shape), _dtensor_reader(t, cast)
         else:
             shape, read = tuple(t.shape), (lambda lo, hi, t=t: iter((own_bytes(_flat(t)[lo:hi], cast),)))
         sources[name] = (shape, out_dtype, read)

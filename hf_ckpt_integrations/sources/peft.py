@@ -23,6 +23,7 @@ from typing import Dict, Iterable, List, Optional
 from ..errors import CheckpointError, LayoutError
 
 __all__ = ["ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "adapter_names_in", "save_name", "find_adapter_config",
+           "is_adapter_config_dir",
            "read_adapter_config", "adapter_plan", "adapter_summary", "is_peft_model", "check_not_empty",
            "adapter_out_dir"]
 
@@ -88,6 +89,13 @@ def find_adapter_config(dirs: Iterable[Optional[str]], adapter: str = "default")
             if os.path.isfile(cand):
                 return cand
     return None
+
+
+def is_adapter_config_dir(directory) -> bool:
+    """True when ``directory`` holds an ``adapter_config.json`` and no ``config.json`` (``--config``
+    naming a PEFT adapter's directory)."""
+    return (os.path.isfile(os.path.join(directory, ADAPTER_CONFIG_NAME))
+            and not os.path.lexists(os.path.join(directory, "config.json")))
 
 
 def read_adapter_config(path) -> dict:

@@ -7,13 +7,17 @@ files copied from the original save (parameter order, buffers, tied parameters).
 """
 
 import os
-from typing import Optional
+from typing import List, Optional
 
 from .. import safe_load
 from ..errors import CheckpointError, LayoutError
 from ..plan import ExportPlan, Piece, TensorPlan
 
-__all__ = ["is_universal_dir", "build_plan"]
+__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "detect", "config_candidates", "plan", "is_universal_dir"]
+
+NAME = "deepspeed-universal"
+LOOKS_FOR = "a DeepSpeed universal checkpoint (zero/<param>/fp32.pt, from ds_to_universal)"
+MEMORY_NAMES = True  # the model's own parameter names: the Hub-layout pass applies
 
 
 def is_universal_dir(path: str) -> bool:
@@ -24,8 +28,28 @@ def is_universal_dir(path: str) -> bool:
         return False
 
 
-def build_plan(path: str, *, config_dir: Optional[str] = None) -> ExportPlan:
-    path = os.path.abspath(path)
+def _resolve(path: str, tag: Optional[str]) -> Optional[str]:
+    """The universal directory: ``path/tag`` when a tag names one, else ``path`` itself."""
+    for cand in ([os.path.join(path, tag)] if tag else []) + [path]:
+        if is_universal_dir(cand):
+            return cand
+    return None
+
+
+def detect(path: str, tag: Optional[str] = None) -> bool:
+    return _resolve(path, tag) is not None
+
+
+def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
+    d = os.path.abspath(_resolve(path, tag))
+    return [d, os.path.dirname(d), os.path.dirname(os.path.dirname(d))]
+
+
+def plan(path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None, config_dir: Optional[str] = None,
+         tp_rules=None) -> ExportPlan:
+    """Plan the export of the universal checkpoint at ``path`` (or ``path/tag``); ``dtype`` and
+    ``tp_rules`` do not apply (ds_to_universal merged the slices; the writer casts)."""
+    path = os.path.abspath(_resolve(path, tag))
     zero = os.path.join(path, "zero")
     names = sorted(n for n in os.listdir(zero) if os.path.isfile(os.path.join(zero, n, "fp32.pt")))
     order, buffers, shared = [], {}, {}

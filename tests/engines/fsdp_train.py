@@ -10,6 +10,9 @@
   ``model``) and ``optimizer_0/``.
 - ``trainer``: a ``Trainer`` under FSDP2 saving ``checkpoint-2`` and ``checkpoint-4``.
 
+The save-time modes (the package's hooks) are in ``fsdp_savetime.py``, so these cached runs do not
+depend on the package's code.
+
 Every mode writes the reference the engine itself reports, at the last save:
 ``OUT/reference.safetensors`` (``get_model_state_dict(full_state_dict=True)``), the HF config in
 ``OUT/config`` and the logits of :func:`common.probe_input` in ``OUT/logits.pt``.
@@ -113,11 +116,13 @@ def _plugin():
                                           reshard_after_forward=True, cpu_ram_efficient_loading=False)
 
 
-def run_accelerate(out: Path):
+def run_accelerate(out: Path, hooks=None):
     from accelerate import Accelerator
 
     plugin = _plugin()
     accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
+    if hooks:
+        hooks(accelerator)
     _force_fsdp(accelerator.state, plugin)
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -127,11 +132,14 @@ def run_accelerate(out: Path):
         accelerator.backward(model(ids, labels=ids).loss)
         opt.step()
         opt.zero_grad()
-    accelerator.save_state(str(out / "state"))
+    if hooks:
+        accelerator.save_model(model, str(out / "saved"), max_shard_size="300KB")
+    else:
+        accelerator.save_state(str(out / "state"))
     _reference(model, out)
 
 
-def run_trainer(out: Path):
+def run_trainer(out: Path, callback=None, resume_from=None):
     from transformers import Trainer, TrainingArguments
 
     plugin = _plugin()
@@ -150,8 +158,9 @@ def run_trainer(out: Path):
         fsdp="full_shard", fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT",
                                         "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                                         "reshard_after_forward": True, "cpu_ram_efficient_loading": False})
-    trainer = FsdpTrainer(model=_model(), args=targs, train_dataset=RandomTokens())
-    trainer.train()
+    callbacks = [callback] if callback else []
+    trainer = FsdpTrainer(model=_model(), args=targs, train_dataset=RandomTokens(), callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     _reference(trainer.model_wrapped, out)
 
 
@@ -161,6 +170,10 @@ def main():
     p.add_argument("--mode", choices=("plain", "accelerate", "trainer"), required=True)
     args = p.parse_args()
     {"plain": run_plain, "accelerate": run_accelerate, "trainer": run_trainer}[args.mode](args.out)
+    finish()
+
+
+def finish():
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()

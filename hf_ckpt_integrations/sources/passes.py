@@ -1,0 +1,69 @@
+"""Post-passes the registry runs on every plan, whatever the source (:mod:`.registry`).
+
+- :func:`find_config_dir` — config discovery: the first candidate a source proposes that holds a
+  usable ``config.json``;
+- :func:`drop_tied_aliases` — the tied-weight policy of ``save_pretrained``;
+- :func:`tie_embeddings` — for state dicts holding a tied weight under both names: one written,
+  the other checked to be a byte-identical replica;
+- the Hub-layout conversion lives in :mod:`.hub_layout` (:func:`~.hub_layout.convert_plan`).
+"""
+
+from dataclasses import replace
+from typing import Optional
+
+from .. import guards
+from ..plan import ExportPlan
+
+__all__ = ["find_config_dir", "drop_tied_aliases", "tie_embeddings"]
+
+
+def find_config_dir(candidates) -> Optional[str]:
+    """The first candidate holding a usable config.json (a regular file inside it, see guards)."""
+    for d in candidates:
+        if d and guards.config_problem(d) is None:
+            return d
+    return None
+
+
+def drop_tied_aliases(plan: ExportPlan):
+    """Tied names (``lm_head.weight`` -> ``model.embed_tokens.weight``) are written once, as
+    ``save_pretrained`` does; ``from_pretrained`` re-ties them. Kept when the config says the
+    weights are not tied (the engine shared them by hand)."""
+    cfg = guards.read_config(plan.config_dir)
+    if cfg.get("tie_word_embeddings", True) is False and plan.aliases:
+        by_name = {t.name: t for t in plan.tensors}
+        for alias, target in plan.aliases.items():
+            if target in by_name and alias not in by_name:
+                t = by_name[target]
+                plan.tensors.append(replace(t, name=alias))  # the same placement, merges, unpadding
+        plan.notes.append("config.json says tie_word_embeddings=false: tied aliases written as copies")
+        plan.aliases = {}
+
+
+# Input-embedding names of the transformers families whose output embedding save_pretrained ties to it.
+_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight", "shared.weight",
+               "embeddings.weight")
+
+
+def tie_embeddings(plan: ExportPlan) -> None:
+    """For sources whose state dicts hold tied weights under both names (``lm_head.weight`` and the
+    input embedding: FSDP, torch DCP): when config.json ties them, write the embedding once, as
+    ``save_pretrained`` does, and check the other copy is byte-identical to it (a replica, never
+    written)."""
+    cfg = guards.read_config(plan.config_dir)
+    tied = cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", True)
+                   if isinstance(cfg.get("text_config"), dict) else True)
+    by_name = {t.name: t for t in plan.tensors}
+    head = by_name.get("lm_head.weight")
+    if tied is not True or head is None:
+        return
+    embeds = [t for t in plan.tensors if t.name.endswith(_EMBEDDINGS) and t.shape == head.shape
+              and t.src_dtype == head.src_dtype]
+    if len(embeds) != 1:
+        return
+    emb = embeds[0]
+    if len(emb.parts) == 1 and len(head.parts) == 1:
+        emb.replicas.append([p for p in head.parts[0]])
+    plan.tensors = [t for t in plan.tensors if t is not head]
+    plan.aliases[head.name] = emb.name
+    plan.notes.append(f"config.json ties the word embeddings: {head.name} written once, as {emb.name}")
