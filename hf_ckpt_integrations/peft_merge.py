@@ -104,8 +104,7 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
     no local base; :class:`~.errors.LayoutError` when the adapter and the base do not fit. Nothing
     is written then.
     """
-    from .assemble import out_dtype_for, to_torch
-    from .plan import dtype_from_name
+    from .assemble import to_torch
     from .safe_load import MappedFiles
     from .sources import build_plan
     from .sources.peft import read_adapter_config
@@ -138,7 +137,6 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
             raise LayoutError(f"{base_dir}: has no tensor {name} for the modules_to_save copy of {cfg_path}; pass "
                               "--base the model the adapter was trained on")
     fan_in_fan_out = bool(cfg.get("fan_in_fan_out"))
-    requested = dtype_from_name(dtype)
     skipped: List[str] = []
     with MappedFiles() as files:
         out = plan_tensors(base_plan, dtype, files, ranges=True)
@@ -181,7 +179,7 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
             if tuple(at.shape) != tuple(bt.shape):
                 raise LayoutError(f"{name}: the modules_to_save copy has shape {list(at.shape)}, the base "
                                   f"{list(bt.shape)}; pass --base the model the adapter was trained on")
-            d = out_dtype_for(bt, requested) if bt.src_dtype in ("F32", "F16", "BF16", "F64") else bt.src_dtype
+            d = out[by_name[name]].dtype  # the base tensor's output dtype
             out[by_name[name]] = OutTensor(name, d, tuple(bt.shape), lambda at=at, d=d: iter_bytes(at, d, files))
 
         staging = Staging(dst, overwrite=overwrite, inputs=plan_inputs(adapter_plan) + plan_inputs(base_plan),
