@@ -1,13 +1,16 @@
 """One stage of the save-time benchmark: a live Llama under Accelerate + DeepSpeed ZeRO-2 or ZeRO-3.
 
-Launched by ``save_bench.py`` as ``torchrun --standalone --nproc_per_node 2 save_bench_case.py WORK
---stage 2|3 --size 156m|small --rounds N --shard 100MB``. In one engine process per rank it saves
-the same bf16 module ``N`` times with each of three variants, alternating (round ``r`` starts at
-variant ``r``), every run into a fresh directory ``WORK/<variant>``:
+Launched by ``save_bench.py`` as ``torchrun --standalone --nproc_per_node P save_bench_case.py WORK
+--stage 2|3 --size 156m|small --rounds N --shard 100MB`` (P ranks, 2 by default). In one engine
+process per rank it saves the same bf16 module ``N`` times with each variant, alternating (round
+``r`` starts at variant ``r``), every run into a fresh directory ``WORK/<variant>``:
 
 - ``save_pretrained``: plain ``transformers`` ``save_pretrained`` on rank 0 (ZeRO-2: the module
   itself; ZeRO-3: ``save_pretrained(state_dict=sd)`` of a full state dict gathered before the
-  timer starts, i.e. the cost of writing the same bytes); rank 1 only waits at the barrier;
+  timer starts, i.e. the cost of writing the same bytes); the other ranks only wait at the barrier;
+- ZeRO-3 only, ``ds_gather_save``: DeepSpeed's own gather and ``save_pretrained``, end to end:
+  ``engine._zero3_consolidated_16bit_state_dict()`` on every rank (rank 0 receives the full state
+  dict), then rank 0 ``save_pretrained(state_dict=sd)`` — the baseline of the ZeRO-3 goal;
 - ``hooks``: ``accelerator.save_model`` after ``install_accelerate_hooks`` (this package), all ranks;
 - ``accelerate``: Accelerate's own ``save_model`` (kept at ``accelerator._hf_ckpt_hooks``), i.e.
   DeepSpeed's clone path: ``clone_tensors_for_torch_save(state_dict)`` under ZeRO-2,
@@ -43,6 +46,8 @@ sys.path.insert(0, str(HERE.parent / "tests" / "engines"))
 import common  # noqa: E402  (tests/engines/common.py: init_cpu_deepspeed_state)
 
 VARIANTS = ("save_pretrained", "hooks", "accelerate")
+# ZeRO-3 only, a save: DeepSpeed's own gather + save_pretrained, timed end to end.
+DS_GATHER = ("ds_gather_save",)
 # ZeRO-3 only, references (not saves): the floor under any save that gathers parameter by parameter.
 GATHER_REFS = ("gather_only", "gather_largest")
 # hidden, layers, intermediate, heads, kv heads, vocab
@@ -157,7 +162,7 @@ def main():
     original_save_model = accelerator._hf_ckpt_hooks["original_save_model"]
     dist = torch.distributed
     rank, world = dist.get_rank(), dist.get_world_size()
-    assert world == accelerator.num_processes == 2, (world, accelerator.num_processes)
+    assert world == accelerator.num_processes, (world, accelerator.num_processes)
 
     torch.manual_seed(0)
     config = llama_config(args.size)
@@ -207,9 +212,15 @@ def main():
             accelerator.save_model(model, dst, max_shard_size=args.shard)
         elif variant == "accelerate":
             original_save_model(model, dst, max_shard_size=args.shard)
+        elif variant == "ds_gather_save":
+            sd = model._zero3_consolidated_16bit_state_dict()  # collective; the full dict on rank 0
+            if rank == 0:
+                module.save_pretrained(dst, state_dict=sd, max_shard_size=args.shard)
+            del sd
         dist.barrier()
 
-    variants = VARIANTS + (GATHER_REFS if args.stage == 3 else ())
+    saves = VARIANTS + (DS_GATHER if args.stage == 3 else ())
+    variants = saves + (GATHER_REFS if args.stage == 3 else ())
     runs = {v: [] for v in variants}
     pending = {}
     for r in range(args.rounds):
@@ -241,19 +252,19 @@ def main():
                   f"extra RSS {(peak - before) / 1e6:.0f} MB (sampled {(sampler.peak - before) / 1e6:.0f} MB, "
                   f"{sampler.samples} samples)", flush=True)
             dist.barrier()
-            if r == 0 and rank == 0 and variant in VARIANTS:
+            if r == 0 and rank == 0 and variant in saves:
                 keep = args.work / f"check-{variant}"
                 shutil.rmtree(keep, ignore_errors=True)
                 os.rename(dst, keep)
             dist.barrier()
 
-    out = {"rank": rank, "stage": args.stage, "size": args.size, "shard": args.shard, "params": n_params,
+    out = {"rank": rank, "world": world, "stage": args.stage, "size": args.size, "shard": args.shard, "params": n_params,
            "param_dtypes": dtypes, "largest_param": [largest[0], int(getattr(largest[1], "ds_numel",
                                                                               largest[1].numel()))],
            "runs": runs, "hwm_reset": reset_hwm(),
            "malloc_trim": _malloc_trim is not None}
     (args.work / f"rank{rank}.json").write_text(json.dumps(out, indent=1))
-    for variant in VARIANTS:
+    for variant in saves:
         if rank == 0:
             shutil.rmtree(args.work / variant, ignore_errors=True)
     dist.barrier()

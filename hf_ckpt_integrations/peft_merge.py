@@ -108,8 +108,9 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
     from .safe_load import MappedFiles
     from .sources import build_plan
     from .sources.peft import read_adapter_config
-    from .writer import (OutTensor, Staging, check_max_shard_size, copy_config_files, plan_inputs, plan_tensors,
-                         progress_bar, split_shards, write_index, write_shard)
+    from .commit import SiblingSwap
+    from .orchestrator import write
+    from .writer import OutTensor, check_max_shard_size, copy_config_files, plan_inputs, plan_tensors
 
     started = time.perf_counter()
     if adapter_plan.adapter is None:
@@ -182,20 +183,14 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
             d = out[by_name[name]].dtype  # the base tensor's output dtype
             out[by_name[name]] = OutTensor(name, d, tuple(bt.shape), lambda at=at, d=d: iter_bytes(at, d, files))
 
-        staging = Staging(dst, overwrite=overwrite, inputs=plan_inputs(adapter_plan) + plan_inputs(base_plan),
-                          configs=[base_plan.config_dir])
-        split = split_shards(out, max_shard_size)
-        total = sum(t.nbytes for t in out)
-        index = {t.name: t for t in out}
-        with staging as tmp, progress_bar(total, "merge", quiet) as bar:
-            for f, names in split.filename_to_tensors.items():
-                write_shard(os.path.join(tmp, f), [index[n] for n in names], bar)
-            if split.is_sharded:
-                write_index(tmp, split, out)
-            copied = copy_config_files(base_plan.config_dir, tmp, skipped, tensors=out)
-    dst = staging.dst
-    names = sorted(os.listdir(dst))
-    return {"destination": dst, "files": names, "shards": len(split.filename_to_tensors), "tensor_bytes": total,
-            "bytes_on_disk": sum(os.path.getsize(os.path.join(dst, f)) for f in names), "config_files": copied,
-            "warnings": skipped, "merged": sorted(targets), "replaced": sorted(replaced), "base": base_dir,
+        def finish(staging, tensors):
+            copied = copy_config_files(base_plan.config_dir, staging, skipped, tensors=tensors)
+            return {"config_files": copied, "warnings": skipped}
+
+        strategy = SiblingSwap(dst, overwrite=overwrite, inputs=plan_inputs(adapter_plan) + plan_inputs(base_plan),
+                               configs=[base_plan.config_dir])
+        report = write(out, strategy, max_shard_size=max_shard_size, finish=finish, quiet=quiet,
+                       what=f"merging into {dst}")
+    keys = ("destination", "files", "shards", "tensor_bytes", "bytes_on_disk", "config_files", "warnings")
+    return {**{k: report[k] for k in keys}, "merged": sorted(targets), "replaced": sorted(replaced), "base": base_dir,
             "seconds": round(time.perf_counter() - started, 3)}

@@ -16,12 +16,12 @@ narrowed pieces (:func:`narrow_pieces`), so the copy stays a byte-range copy.
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .formats.dtypes import FLOATS, SIZES, USER_NAMES as DTYPE_NAMES, from_user as dtype_from_name
 
-__all__ = ["Piece", "Chunk", "TensorPlan", "ExportPlan", "DTYPE_NAMES", "dtype_from_name", "narrow_pieces",
-           "check_tiling", "row_major_pieces", "parts_as_chunks", "check_plan", "decide_dtypes"]
+__all__ = ["Piece", "LivePiece", "Chunk", "TensorPlan", "ExportPlan", "DTYPE_NAMES", "dtype_from_name",
+           "narrow_pieces", "check_tiling", "row_major_pieces", "parts_as_chunks", "check_plan", "decide_dtypes"]
 # DTYPE_NAMES / dtype_from_name: the user dtype names of :mod:`.formats.dtypes`, kept importable here.
 
 
@@ -33,6 +33,19 @@ class Piece:
     offset: int
     numel: int
     dtype: str
+
+
+@dataclass(frozen=True)
+class LivePiece:
+    """Elements ``[lo, hi)`` of a tensor held by a live engine (a save-time source), read when the
+    writer asks: ``read(lo, hi, writer)`` yields their bytes, already in the tensor's output dtype
+    (the plan's ``src_dtype``), on rank ``writer`` — the rank the writer assigned the tensor to —
+    and nothing elsewhere. A read may be a collective (ZeRO-3 partitions, TP slices sent to the
+    writer): every rank calls it, in the writer's order, and the others drop what it yields."""
+
+    read: Callable
+    lo: int
+    hi: int
 
 
 def narrow_pieces(pieces: List[Piece], start: int, count: int) -> List[Piece]:

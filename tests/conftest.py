@@ -32,8 +32,12 @@ ENGINE_TIMEOUT_S = 900
 # DeepSpeed JIT-builds its CPU shm op into ~/.cache/torch_extensions by default: one directory for
 # every venv and every clone, each rebuilding it (their include paths differ) while the others may
 # be loading it — seen: the .so missing mid-run while another clone's tests ran. Every process the
-# tests start (engine runs, notebooks, the CLI) inherits this venv's own directory instead.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
+# tests start (engine runs, notebooks, the CLI) inherits this venv's own directory instead. The
+# build command holds the venv path as spelled (a git worktree's `.venv` symlink to a shared venv
+# differs from the venv's own path), so the directory is keyed by that spelling too: two spellings
+# alternating on one directory rebuilt the op on every switch, each waiting on the other's lock.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(
+    Path(sys.prefix).resolve() / "torch-extensions" / hashlib.sha256(sys.prefix.encode()).hexdigest()[:8]))
 
 # The Hub-layout answers transformers gives are cached (sources/hub_layout.py); the tests keep theirs
 # in a directory of this session, never the user's ~/.cache, so every run derives them afresh.

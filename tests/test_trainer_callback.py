@@ -71,7 +71,7 @@ def test_failure_on_one_rank_raises_on_every_rank_and_leaves_checkpoint_untouche
     case = engine_ckpt("cb-z3")
     seen = [json.loads((case / "fail" / f"rank{r}.json").read_text()) for r in (0, 1)]
     for s in seen:
-        assert s["raised"] and s["type"] == "SaveError", s
+        assert s["raised"] and s["type"] == "WriteError", s
         assert list(s["failures"]) == ["1"] and "No space left on device" in s["failures"]["1"]
         assert "rank 1" in s["message"] and "model-00002-of-" in s["message"]
     assert seen[0]["unchanged"] and seen[0]["leftovers"] == []

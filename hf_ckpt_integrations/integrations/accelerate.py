@@ -4,14 +4,15 @@ After the call, ``accelerator.save_model(model, dir, max_shard_size=..., safe_se
 keeps its signature and meaning, but (for DeepSpeed ZeRO-1/2/3 with or without AutoTP, DDP and
 single-process models):
 
-- weights come from :mod:`..sources.live`: under ZeRO-3 each parameter's partitions are broadcast
-  one at a time and streamed into its shard, never the whole parameter (works with
+- weights come from :mod:`..sources.live`: under ZeRO-3 each parameter's partitions are sent one
+  at a time to the rank writing its shard (point to point; broadcast under AutoTP) and streamed
+  into the shard, never the whole parameter (works with
   ``stage3_gather_16bit_weights_on_model_save`` false, where Accelerate raises ``ValueError``);
   under ZeRO-1/2 each parameter's own bytes are read in place (no ``clone_tensors_for_torch_save``
   of the whole state dict); under AutoTP each layer's slices are gathered when its tensors are
   written (full shapes: the uneven vocab split is undone);
-- shards are spread over the ranks (shard ``i`` by rank ``i % world_size`` from
-  ``torch.distributed``), staged, and moved into place only when every rank succeeded;
+- shards are spread over the ranks (the writer's assignment: shard ``i`` by rank ``i % world_size``
+  from ``torch.distributed``), staged, and merged into place only when every rank succeeded;
 - ``safe_serialization=False`` writes ``pytorch_model*.bin`` whose tensors own exactly their
   bytes (one shard in memory at a time), so no flat-buffer bloat (seed 002);
 - ``config.json`` (and ``generation_config.json``) is written when the model has a ``config``.
@@ -33,7 +34,7 @@ from typing import Optional
 
 from ..formats.config import write_config
 from ..formats.dtypes import training_dtype
-from ..writer import MAX_SHARD_SIZE
+from ..writer import MAX_SHARD_SIZE, OutTensor
 from ._dist import SaveError, consolidate_checkpoint, rank_world, write_config_on_rank0, write_distributed
 
 __all__ = ["install_accelerate_hooks", "save_model"]
@@ -75,7 +76,8 @@ def save_model(accelerator, model, save_directory, max_shard_size=_ACCELERATE_DE
                                collective=reads_are_collective(module), replace_existing=True,
                                fmt="safetensors" if safe_serialization else "bin",
                                what=f"accelerator.save_model into {save_directory}")
-    write_config_on_rank0(module, save_directory, tensors)
+    write_config_on_rank0(module, save_directory, [OutTensor(t.name, t.out_dtype or t.src_dtype, t.shape, None)
+                                                   for t in tensors])
     return report
 
 

@@ -10,8 +10,8 @@ signature but writes ``path`` as a HuggingFace directory that ``from_pretrained(
 - every TP-sharded tensor gathered first, then its vocabulary padding cut to the recorded
   original length (:mod:`..sources.colossalai`; seed 003) — whatever the installed ColossalAI's
   own save path does;
-- streamed: shard ``i`` written by rank ``i % world_size``; only that rank receives the pieces,
-  one tensor at a time; staged and moved into place when every rank succeeded.
+- streamed: each shard is written by the rank the writer assigns it to; only that rank receives
+  the pieces, one tensor at a time; staged and merged into place when every rank succeeded.
 
 Every rank must call ``save_model`` (as ColossalAI already requires). ``use_safetensors``,
 ``gather_dtensor``, ``prefix`` and ``use_async`` are ignored on this path (HF names, safetensors,
@@ -45,8 +45,7 @@ def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, d
 
     Returns the writer's report. Raises :class:`~._dist.SaveError` on every rank when any failed.
     """
-    from ..sources.colossalai import bind_tensors, describe_model
-    from ._dist import split_files
+    from ..sources.colossalai import describe_model, live_plan
 
     if hasattr(model, "_force_wait_all_gather"):
         model._force_wait_all_gather()  # ZeRO overlap_allgather may still be filling the params
@@ -59,19 +58,15 @@ def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, d
         error = e
     all_ranks_ok(error, f"booster.save_model into {checkpoint}: reading the layout")
     max_shard_size = int(size_per_shard * _MIB) if shard else _ONE_FILE
-    # The same split write_distributed makes: tells every rank who writes (so who receives) each tensor.
-    sized = bind_tensors(infos, module, lambda name: 0, dtype=dtype)
-    _, world = rank_world()
-    split = split_files(sized, max_shard_size, "safetensors")
-    writer = {n: i % world for i, names in enumerate(split.filename_to_tensors.values()) for n in names}
-    tensors = bind_tensors(infos, module, writer.__getitem__, dtype=dtype)
     what = f"booster.save_model into {checkpoint}"
-    report = write_distributed(tensors, checkpoint, max_shard_size=max_shard_size, collective=True,
+    # The writer assigns the shards and gives each read its writing rank (who receives each tensor).
+    plan = live_plan(infos, module, dtype=dtype)
+    report = write_distributed(plan, checkpoint, max_shard_size=max_shard_size, collective=True,
                                replace_existing=True, what=what)
     error = None
     if rank_world()[0] == 0:
         try:
-            write_config(checkpoint, model=module, tensor_dtypes=[t.dtype for t in tensors])
+            write_config(checkpoint, model=module, tensor_dtypes=[t.out_dtype or t.src_dtype for t in plan])
         except Exception as e:
             error = e
     all_ranks_ok(error, f"writing config.json into {checkpoint}")

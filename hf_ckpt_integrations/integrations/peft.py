@@ -18,7 +18,7 @@ import copy
 import os
 from typing import Optional
 
-from ..sources.peft import (ADAPTER_WEIGHTS_NAME, adapter_names_in, adapter_out_dir, check_not_empty, is_peft_model,
+from ..sources.peft import (adapter_names_in, adapter_out_dir, check_not_empty, is_peft_model,
                             save_name)
 from ._dist import all_ranks_ok, rank_world, write_distributed
 
@@ -85,7 +85,7 @@ def consolidate_adapter(checkpoint_dir, model, *, dtype: Optional[str] = None) -
         with MappedFiles() as files:
             tensors = plan_tensors(plan, dtype, files, ranges=True)
             reports[adapter] = write_distributed(tensors, out_dir, replace_existing=False, what=what,
-                                                 one_file=ADAPTER_WEIGHTS_NAME)
+                                                 fmt="adapter")
     return {"action": "written", "adapters": reports,
             "files": sorted({f for r in reports.values() for f in r["files"]} | {"adapter_config.json"})}
 
@@ -109,5 +109,5 @@ def save_adapter_live(module, save_directory, *, dtype: Optional[str] = None) ->
         all_ranks_ok(error, f"{what}: planning")
         _config_on_rank0(module, adapter, out_dir, what)
         reports[adapter] = write_distributed(tensors, out_dir, collective=reads_are_collective(module),
-                                             replace_existing=False, what=what, one_file=ADAPTER_WEIGHTS_NAME)
+                                             replace_existing=False, what=what, fmt="adapter")
     return {"action": "written", "adapters": reports}

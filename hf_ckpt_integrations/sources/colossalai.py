@@ -1,4 +1,4 @@
-"""A live ColossalAI-boosted model (``HybridParallelPlugin``: TP, PP, DP) -> :class:`~..writer.OutTensor` list.
+"""A live ColossalAI-boosted model (``HybridParallelPlugin``: TP, PP, DP) -> the writer's plan.
 
 Call order (every rank makes every call, in the same order):
 
@@ -6,13 +6,14 @@ Call order (every rank makes every call, in the same order):
    holds (local shape, dtype, TP sharding, vocabulary padding); all ranks get the same merged,
    global list of :class:`TensorInfo` (names from ``state_dict()``, so unheld pipeline stages and
    tied weights resolve to HF names).
-2. the caller decides which rank writes each tensor (the writer's shard split);
-3. :func:`bind_tensors` turns the infos into :class:`~.live.LiveTensor` objects. On the writing
-   rank ``chunks()`` receives the TP pieces from their holders (point-to-point, so only the writer
-   ever holds the gathered tensor, and only one tensor at a time), concatenates them along the
-   sharded dimension, and only then cuts the vocabulary padding back to the recorded original
-   length; on a holding rank ``drain()`` sends its local piece to the writer; on other ranks
-   ``drain()`` does nothing.
+2. :func:`live_plan` turns the infos into :class:`~..plan.TensorPlan` objects with one
+   :class:`~..plan.LivePiece` each;
+3. the writer (:func:`~..orchestrator.write`) assigns each tensor to a rank and calls every read
+   with that rank: on the writing rank the read receives the TP pieces from their holders
+   (point-to-point, so only the writer ever holds the gathered tensor, and only one tensor at a
+   time), concatenates them along the sharded dimension, and only then cuts the vocabulary
+   padding back to the recorded original length; on a holding rank it sends its local piece to
+   the writer; on other ranks it does nothing.
 
 Why gather first (seed 003): ColossalAI records ``_origin_length`` / ``_current_length`` on each
 rank's *local* shard, but both describe the *global* padded dimension (e.g. 1001 of 1024 rows).
@@ -26,13 +27,14 @@ ColossalAI attaches to parameters; it never calls ColossalAI's own gather/unpad 
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import LayoutError
 from ..formats.dtypes import FLOATS, from_torch, from_user as dtype_from_name, to_torch
-from .live import LiveTensor, own_bytes
+from ..plan import LivePiece, TensorPlan
+from .live import own_bytes
 
-__all__ = ["TensorInfo", "describe_model", "bind_tensors", "local_tensors"]
+__all__ = ["TensorInfo", "describe_model", "live_plan", "local_tensors"]
 
 
 @dataclass
@@ -210,13 +212,14 @@ def _gathered(info: TensorInfo, local, sources: Sequence[int], me: int, device):
     return full
 
 
-def bind_tensors(infos: Sequence[TensorInfo], module, writer_of: Callable[[str], int], *,
-                 dtype: Optional[str] = None) -> List[LiveTensor]:
-    """:class:`LiveTensor` objects for ``infos``; ``writer_of(name)`` is the rank that writes each one.
-
-    Every rank must call it with the same ``infos`` and ``writer_of``, and then walk the tensors in
-    the same order (the writer calling ``chunks()``, every other rank ``drain()``).
-    ``dtype``: ``None`` keeps the training dtype; ``"fp32"``/``"bf16"``/``"fp16"`` casts floats.
+def live_plan(infos: Sequence[TensorInfo], module, *, dtype: Optional[str] = None) -> List[TensorPlan]:
+    """The plan for ``infos``: one :class:`~..plan.TensorPlan` per tensor, its one piece a
+    :class:`~..plan.LivePiece` whose ``read(lo, hi, writer)`` runs on every rank once the writer
+    has assigned the tensor to rank ``writer``: the writer receives the TP pieces from their
+    holders (point to point), concatenates and unpads them, and yields the bytes; a holding rank
+    sends its local piece to the writer; other ranks do nothing. Every rank must read the tensors
+    in the same order (the writer's). ``dtype``: ``None`` keeps the training dtype;
+    ``"fp32"``/``"bf16"``/``"fp16"`` casts floats.
     """
     import torch
     import torch.distributed as dist
@@ -228,20 +231,18 @@ def bind_tensors(infos: Sequence[TensorInfo], module, writer_of: Callable[[str],
     cast = to_torch(st_target) if st_target else None
     out = []
     for info in infos:
-        writer = writer_of(info.name)
-        sources = info.sources(writer)
         local = mine.get(info.name)
         out_dtype = st_target if (st_target and info.dtype in FLOATS) else info.dtype
 
-        def chunks(info=info, local=local, sources=sources):
-            full = _gathered(info, local, sources, me, device)
-            yield own_bytes(full, cast)
-
-        def drain(info=info, local=local, sources=sources, writer=writer):
+        def read(lo, hi, writer, info=info, local=local):
+            sources = info.sources(writer)
             if me == writer:
-                _gathered(info, local, sources, me, device)  # receive and drop: keep the pairs matched
+                full = _gathered(info, local, sources, me, device)
+                yield own_bytes(full.reshape(-1)[lo:hi], cast)
             elif me in sources:
                 dist.send(_to_bytes_tensor(local), dst=writer)
 
-        out.append(LiveTensor(info.name, out_dtype, tuple(info.shape), chunks, drain))
+        numel = math.prod(info.shape)
+        out.append(TensorPlan(info.name, tuple(info.shape), out_dtype, [[LivePiece(read, 0, numel)]], kind="live",
+                              out_dtype=out_dtype))
     return out

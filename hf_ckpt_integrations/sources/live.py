@@ -1,19 +1,24 @@
-"""A live model (plain, DDP, DeepSpeed ZeRO-1/2/3) -> :class:`~..writer.OutTensor` list.
+"""A live model (plain, DDP, DeepSpeed ZeRO-1/2/3) -> the same plan offline sources build.
 
-Nothing is copied up front. Each tensor's ``chunks()`` yields its own bytes when the writer asks:
+:func:`live_tensors` returns :class:`~..plan.TensorPlan` objects whose one piece is a
+:class:`~..plan.LivePiece`: nothing is copied up front; the writer calls ``read(lo, hi, writer)``
+once it has assigned the tensor to rank ``writer``, and the read yields the bytes:
 
 - ZeRO-1/2 and plain modules: the parameter (often a view into ZeRO's flat buffer, seed 002)
   is read in place — its own bytes only, never the whole storage, never a clone of the state dict;
 - ZeRO-3: the parameter is never gathered whole. Its flat bytes are the concatenation of the
-  ranks' partitions (``param.ds_tensor``, the last one padded), so each rank's partition in turn
-  is broadcast from its owner and written straight into the shard: beyond its own partition a
-  rank holds one partition-sized buffer (parameter size / world size), not the parameter, and
-  not DeepSpeed's gather buffers. Persistent parameters (below
-  ``stage3_param_persistence_threshold``) are whole on every rank and read in place; partitions
-  kept off-CPU memory (NVMe) go through ``deepspeed.zero.GatheredParameters``. The broadcasts are
-  collectives: every rank must walk the same tensors in the same order
-  (:func:`~..writer.shard_order` within each shard); ranks that do not write a shard call
-  ``drain()``, which takes part and drops the bytes. The next partition is received while the
+  ranks' partitions (``param.ds_tensor``, the last one padded). Once the writer has assigned the
+  shards (the read is given the writing rank), each owner sends its
+  partition point to point to that rank alone, which writes it straight into the shard: the
+  writing rank holds two partition-sized buffers (parameter size / world size), no other rank
+  holds anything beyond its own partition, and each partition crosses the network once (a
+  broadcast sends it to every rank). Without an assignment, and under AutoTP (whose ZeRO groups
+  are not the writer's), each partition is broadcast from its owner instead. Persistent
+  parameters (below ``stage3_param_persistence_threshold``) are whole on every rank and read in
+  place; partitions kept off-CPU memory (NVMe) go through ``deepspeed.zero.GatheredParameters``.
+  Sends and broadcasts pair up by order: every rank must walk the same tensors in the same order
+  (the writer's shard order); ranks that do not write a tensor still call its read, which takes
+  part and yields nothing (or bytes they drop). The next partition is received while the
   current one is written (two buffers at most). A chunk is valid until the next one is asked for
   (the buffers are reused);
 - FSDP2 (``fully_shard``: parameters are DTensors): each tensor is gathered when its shard is
@@ -29,25 +34,17 @@ Names and order are the module's ``state_dict()`` (persistent buffers included),
 to what ``save_pretrained`` writes (:mod:`.hub_layout`): a tensor reached under two names (tied
 weights) is written once, under the name ``save_pretrained`` keeps; a tensor transformers 5 fuses
 in memory (MoE experts) is written as its Hub slices, each read as an element range of the
-parameter (under ZeRO-3 only the partitions overlapping the range are broadcast).
+parameter (under ZeRO-3 only the partitions overlapping the range travel).
 """
 
 import contextlib
 import math
-from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 from ..formats.dtypes import from_torch, from_user as dtype_from_name, to_torch
-from ..writer import OutTensor
+from ..plan import LivePiece, TensorPlan
 
-__all__ = ["LiveTensor", "live_tensors", "reads_are_collective", "own_bytes"]
-
-
-@dataclass
-class LiveTensor(OutTensor):
-    """An :class:`OutTensor` whose ``drain()`` takes part in the collective without keeping bytes."""
-
-    drain: Optional[Callable[[], None]] = None
+__all__ = ["live_tensors", "reads_are_collective", "own_bytes"]
 
 
 def own_bytes(t, cast):
@@ -76,7 +73,7 @@ def _is_dtensor(t) -> bool:
 
 
 def _dtensor_reader(t, cast):
-    def read(lo, hi):
+    def read(lo, hi, writer=None):
         full = t.full_tensor()  # collective on t's mesh: every rank walks the same tensors in order
         yield own_bytes(_flat(full)[lo:hi], cast)
         del full
@@ -84,11 +81,12 @@ def _dtensor_reader(t, cast):
     return read
 
 
-def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> List[LiveTensor]:
+def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> List[TensorPlan]:
     """The tensors of ``module`` (unwrapped: the ``nn.Module``, not the DeepSpeed engine) to write,
     under the names and splits ``save_pretrained`` writes (:mod:`.hub_layout`: transformers 5's
     fused MoE experts become one tensor per expert, each a slice of the fused parameter).
 
+    Each is a :class:`~..plan.TensorPlan` (kind ``"live"``) with one :class:`~..plan.LivePiece`.
     ``dtype``: ``None`` keeps each tensor's training dtype; ``"fp32"``/``"bf16"``/``"fp16"`` casts
     floating tensors (one tensor at a time). Every rank must call it and get the same list.
     Raises :class:`~..errors.LayoutError` where transformers' save-time conversion is not a split
@@ -104,8 +102,11 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> List[Li
         state = {n: t for n, t in state.items() if select(n) is not None}
     owners = dict(module.named_modules())
     seen = {}
+    # Point-to-point sends of ZeRO-3 partitions to the writing rank, except under AutoTP (its
+    # parameters' groups are not the writer's: broadcast there).
+    p2p = not any(getattr(p, "ds_is_replaced_module", False) for p in module.parameters())
     aliases = {}  # tied name -> the name written
-    sources = {}  # name -> (shape, out_dtype, read(lo, hi) -> chunks)
+    sources = {}  # name -> (shape, out_dtype, read(lo, hi, writer) -> chunks)
     for name, t in state.items():
         if t is None:
             continue
@@ -121,11 +122,11 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> List[Li
         if getattr(t, "ds_is_replaced_module", False):
             shape, read = _autotp_reader(name, t, owner, cast)
         elif hasattr(t, "ds_id") and hasattr(t, "ds_shape"):
-            shape, read = tuple(t.ds_shape), _zero3_reader(t, cast)
+            shape, read = tuple(t.ds_shape), _zero3_reader(t, cast, p2p)
         elif _is_dtensor(t):
             shape, read = tuple(t.shape), _dtensor_reader(t, cast)
         else:
-            shape, read = tuple(t.shape), (lambda lo, hi, t=t: iter((own_bytes(_flat(t)[lo:hi], cast),)))
+            shape, read = tuple(t.shape), _local_reader(t, cast)
         sources[name] = (shape, out_dtype, read)
 
     if select is not None:
@@ -134,28 +135,27 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> List[Li
         from .hub_layout import live_layout
 
         layout = live_layout(module, {n: s[0] for n, s in sources.items()}, aliases)
-    out: List[LiveTensor] = []
+    out: List[TensorPlan] = []
     for name, src, shape, offset in layout:
         _, out_dtype, read = sources[src]
-        lo, hi = offset, offset + math.prod(shape)
-
-        def chunks(read=read, lo=lo, hi=hi):
-            return read(lo, hi)
-
-        def drain(read=read, lo=lo, hi=hi):
-            for _ in read(lo, hi):
-                pass
-
-        out.append(LiveTensor(name, out_dtype, shape, chunks, drain))
+        piece = LivePiece(read, offset, offset + math.prod(shape))
+        out.append(TensorPlan(name, tuple(shape), out_dtype, [[piece]], kind="live", out_dtype=out_dtype,
+                              hub_source=src if src != name else None))
     return out
+
+
+def _local_reader(t, cast):
+    def read(lo, hi, writer=None):
+        yield own_bytes(_flat(t)[lo:hi], cast)
+    return read
 
 
 def _flat(t):
     return t.detach().reshape(-1)
 
 
-def _zero3_reader(param, cast):
-    def read(lo, hi):
+def _zero3_reader(param, cast, p2p):
+    def read(lo, hi, writer=None):
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         if param.ds_status == ZeroParamStatus.AVAILABLE:
@@ -163,7 +163,10 @@ def _zero3_reader(param, cast):
             yield own_bytes(_flat(param.data)[lo:hi], cast)
             return
         if _streamable(param):
-            yield from _partitions(param, cast, lo, hi)
+            if p2p and writer is not None and _in_group(param.ds_process_group, writer):
+                yield from _partitions_to(param, cast, lo, hi, writer)
+            else:
+                yield from _partitions(param, cast, lo, hi)
             return
         import deepspeed
 
@@ -228,6 +231,66 @@ def _partitions(param, cast, lo, hi):
             yield own_bytes(t[a:b], cast)
 
 
+def _in_group(group, rank) -> bool:
+    import torch.distributed as dist
+
+    try:
+        return dist.get_group_rank(group, rank) >= 0
+    except (ValueError, RuntimeError):
+        return False
+
+
+def _partitions_to(param, cast, lo, hi, writer):
+    """Elements ``[lo, hi)`` of ``param``'s flat bytes on rank ``writer`` (a global rank), each
+    overlapping ZeRO-3 partition sent point to point by its owner: only the writing rank receives
+    (the traffic of a broadcast divided by the world size). On every other rank this yields
+    nothing; an owner sends its slice and returns. Every rank must call it, in the same tensor
+    order (pairs are matched by order). The writer holds two slice-sized buffers at most: the
+    next partition is received while the current one is written.
+    """
+    import torch
+    import torch.distributed as dist
+
+    group = param.ds_process_group
+    me = dist.get_rank(group=group)
+    w = dist.get_group_rank(group, writer)
+    part = param.ds_tensor.detach()
+    n = part.numel()
+    hi = min(hi, param.ds_numel)
+    owners = [r for r in range(dist.get_world_size(group=group)) if r * n < hi and (r + 1) * n > lo]
+
+    def span(r):
+        return max(lo, r * n) - r * n, min(hi, (r + 1) * n) - r * n
+
+    if me != w:
+        if me in owners:
+            a, b = span(me)
+            # As bytes: any dtype travels (gloo has no bf16 send on every build).
+            dist.send(part[a:b].contiguous().view(torch.uint8), dst=writer, group=None)
+        return
+    buffers = [None, None]
+
+    def start(i):
+        r = owners[i]
+        a, b = span(r)
+        if r == me:
+            return part[a:b], None
+        buf = buffers[i % 2]
+        if buf is None or buf.numel() < b - a:
+            buf = buffers[i % 2] = torch.empty(b - a, dtype=part.dtype)
+        buf = buf[:b - a]
+        return buf, dist.irecv(buf.view(torch.uint8), src=dist.get_global_rank(group, r))
+
+    nxt = start(0) if owners else None
+    for i in range(len(owners)):
+        t, work = nxt
+        if work is not None:
+            work.wait()
+        nxt = start(i + 1) if i + 1 < len(owners) else None
+        if t.numel():
+            yield own_bytes(t, cast)
+
+
 def _autotp_full_shape(name, param, owner):
     """The shape before AutoTP split ``param`` (recorded by the replaced layer)."""
     for attr, shape_attr in (("weight", "_orig_weight_shape"), ("bias", "_orig_bias_shape")):
@@ -257,7 +320,7 @@ def _autotp_reader(name, param, owner, cast):
                 for p, data in zip(own, saved):
                     p.data = data
 
-    def read(lo, hi):
+    def read(lo, hi, writer=None):
         with gathered() as full:
             yield own_bytes(_flat(full)[lo:hi], cast)
 

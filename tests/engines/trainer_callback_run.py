@@ -64,6 +64,7 @@ def main():
     from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from hf_ckpt_integrations import ConsolidatedCheckpointCallback
+    from hf_ckpt_integrations import orchestrator
     from hf_ckpt_integrations.integrations import _dist
 
     rank = torch.distributed.get_rank()
@@ -139,7 +140,7 @@ def main():
         if rank == 1:
             def failing(path, tensors, progress=None):
                 raise OSError(28, "No space left on device (injected on rank 1)", path)
-            _dist.write_shard = failing  # this rank's disk "fills up"; the other rank is healthy
+            orchestrator.write_shard = failing  # this rank's disk "fills up"; the other rank is healthy
         try:
             _dist.consolidate_checkpoint(target, dtype="fp32", max_shard_size="100KB", existing="replace")
             seen = {"raised": False}

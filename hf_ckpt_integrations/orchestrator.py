@@ -1,0 +1,406 @@
+"""The one writer orchestrator: every path that writes HF weights runs :func:`write`.
+
+Offline export (:func:`~.writer.write_plan`, one process), rank-parallel export
+(:func:`~.parallel.write_plan_parallel`, under torchrun) and the save-time hooks
+(:func:`~.integrations._dist.write_distributed`) are thin front ends that build the tensors and
+a commit strategy (:mod:`.commit`) and call :func:`write`. Call order — every rank of ``comm``
+calls :func:`write` with the same tensor names, sizes and order; "rank 0" is rank 0 of ``comm``:
+
+1. **prepare** (rank 0): ``strategy.begin()`` checks and locks the destination and creates the
+   staging directory; :func:`assign` splits the tensors into shards (``huggingface_hub``'s split,
+   so the names match ``save_pretrained``) and assigns each shard to a rank, once. Both are
+   broadcast (one collective); a refusal raises on every rank.
+2. **bind** (every rank): a live source's plan (:class:`~.plan.TensorPlan` with
+   :class:`~.plan.LivePiece`\ s) becomes the tensors to write, each read given the rank the
+   assignment names (a live ZeRO-3 or ColossalAI source sends its pieces only to that rank); a
+   source never derives the assignment itself. (``bind(assignment)``, when given, does the same
+   for any other tensors.)
+3. **write local shards** (every rank): the rank writing a shard streams it into the staging
+   directory (:func:`~.writer.write_shard`, fsynced); with ``collective`` (reading a tensor is a
+   collective), every other rank walks the same tensors in :func:`~.writer.shard_order` and calls
+   their ``drain()`` — also a rank whose own write failed, so nobody hangs.
+4. **gather failures** (every rank, one ``all_gather``): if any rank failed, rank 0
+   ``strategy.abort()``\\ s and every rank raises :class:`WriteError` with all ranks' messages.
+5. **commit** (rank 0): the index (sharded only), ``finish(staging)`` (config files), then
+   ``strategy.commit(names)``; the outcome is broadcast, so every rank returns the same report or
+   raises the same :class:`WriteError`.
+
+With one process (``comm`` of world 1) there are no collectives and a failure raises the
+original error (a :class:`~.errors.CheckpointError`), as a plain export always has.
+"""
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from .commit import CommitStrategy, disk_error
+from .errors import CheckpointError, DestinationError
+from .formats import names
+from .formats.dtypes import SIZES
+from .formats.names import (ADAPTER_SAFETENSORS_NAME, BIN_INDEX as BIN_INDEX_NAME, BIN_PATTERN, SAFETENSORS_INDEX,
+                            SAFETENSORS_PATTERN)
+from .plan import TensorPlan
+from .writer import MAX_SHARD_SIZE, OutTensor, progress_bar, shard_order, write_shard
+
+__all__ = ["WriteError", "Comm", "TorchComm", "Assignment", "assign", "write", "live_out_tensors", "BIN_PATTERN",
+           "BIN_INDEX_NAME"]
+
+
+class WriteError(DestinationError):
+    """A write failed on one or more ranks; raised on every rank with the same message.
+
+    ``failures`` maps each failed rank to its message (as DCP's ``CheckpointException.failures``).
+    Nothing of this write is visible at the destination.
+    """
+
+    def __init__(self, what: str, failures: Dict[int, str], consequence: str = "nothing was written"):
+        self.what = what
+        self.failures = {int(r): str(m) for r, m in failures.items()}
+        lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(self.failures.items()))
+        super().__init__(f"{what} failed on rank(s) {sorted(self.failures)} — {lines}; {consequence}")
+
+    def __reduce__(self):
+        return (type(self), (self.what, self.failures))
+
+
+class Comm:
+    """The ranks writing together. This base is one process: no collectives."""
+
+    rank = 0
+    world = 1
+
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        return obj
+
+    def all_gather(self, obj) -> list:
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+
+class TorchComm(Comm):
+    """``torch.distributed`` (``group``, default the world): a few small pickled objects travel."""
+
+    def __init__(self, dist=None, group=None):
+        if dist is None:
+            import torch.distributed as dist
+        self.dist, self.group = dist, group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+
+    def broadcast(self, obj):
+        box = [obj]
+        src = 0 if self.group is None else self.dist.get_global_rank(self.group, 0)
+        self.dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def all_gather(self, obj) -> list:
+        out: List = [None] * self.world
+        self.dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        self.dist.barrier(group=self.group)
+
+
+def default_comm() -> Comm:
+    """:class:`TorchComm` of the default group when ``torch.distributed`` is initialised, else one
+    process. (Never Accelerate's state, which on a CPU-only DeepSpeed launch reports one process.)"""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return Comm()
+    if dist.is_available() and dist.is_initialized():
+        return TorchComm(dist)
+    return Comm()
+
+
+@dataclass
+class Assignment:
+    """Which file each tensor goes in and which rank writes each file: decided once, on rank 0."""
+
+    shards: List[Tuple[str, List[str]]]  # (file name, tensor names) in file order
+    ranks: List[int]  # ranks[i] writes shards[i]
+    sharded: bool
+    tensor_to_file: Dict[str, str] = field(default_factory=dict)
+    _writer: Dict[str, int] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        for (f, members), r in zip(self.shards, self.ranks):
+            for n in members:
+                self.tensor_to_file[n] = f
+                self._writer[n] = r
+
+    def writer_of(self, name: str) -> int:
+        """The rank that writes tensor ``name``."""
+        return self._writer[name]
+
+    def by_rank(self) -> Dict[int, List[str]]:
+        out: Dict[int, List[str]] = {}
+        for (f, _), r in zip(self.shards, self.ranks):
+            out.setdefault(r, []).append(f)
+        return out
+
+
+def assign(tensors: Sequence[OutTensor], max_shard_size, world: int, *, fmt: str = "safetensors") -> Assignment:
+    """Split ``tensors`` (in their order) as ``save_pretrained`` does; shard ``i`` goes to rank ``i % world``."""
+    pattern = {"safetensors": SAFETENSORS_PATTERN, "bin": BIN_PATTERN}.get(fmt)
+    if fmt == "adapter":  # a PEFT adapter: PeftModel.save_pretrained's one unsharded file
+        pattern, max_shard_size = ADAPTER_SAFETENSORS_NAME.replace(".safetensors", "{suffix}.safetensors"), 1 << 62
+    split = names.split_shards({t.name: t for t in tensors}, lambda t: t.nbytes, max_shard_size=max_shard_size,
+                               pattern=pattern)
+    shards = [(f, list(members)) for f, members in split.filename_to_tensors.items()]
+    return Assignment(shards, [i % world for i in range(len(shards))], split.is_sharded)
+
+
+def _message(e: BaseException) -> str:
+    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+
+
+def write(tensors: Sequence[OutTensor], strategy: Optional[CommitStrategy], *, comm: Optional[Comm] = None,
+          max_shard_size=MAX_SHARD_SIZE, fmt: str = "safetensors", collective: bool = False,
+          bind: Optional[Callable[[Assignment], Sequence[OutTensor]]] = None,
+          finish: Optional[Callable[[str, Sequence[OutTensor]], dict]] = None, what: str = "writing",
+          consequence: str = "nothing was written", workers: int = 1, quiet: bool = True) -> dict:
+    """Write ``tensors`` through ``strategy`` from every rank of ``comm`` (see the module doc).
+
+    ``strategy`` is used on rank 0 only (other ranks may pass ``None``). ``finish(staging, tensors)``
+    runs on rank 0 before the commit and returns extra report fields (config files copied,
+    warnings). ``workers`` > 1 writes that many shards at once from a thread pool (one process,
+    non-collective only). Returns, on every rank, ``{"destination", "files", "shards",
+    "shard_files", "sharded", "tensor_bytes", "written_here", "shards_by_rank", "world_size",
+    "seconds", ...finish's fields}``. Raises :class:`WriteError` on every rank when any rank failed
+    (with one process: the original error).
+    """
+    started = time.perf_counter()
+    comm = comm or Comm()
+    rank, world = comm.rank, comm.world
+    if fmt not in ("safetensors", "bin", "adapter"):
+        raise ValueError(f"fmt={fmt!r}; use 'safetensors', 'bin' or 'adapter'")
+    if any(isinstance(t, TensorPlan) for t in tensors):  # a live source's plan
+        if bind is not None:
+            raise ValueError("pass either a live plan or bind, not both")
+        plans = list(tensors)
+        tensors = [OutTensor(t.name, _dtype(t), tuple(t.shape), None) for t in plans]  # sizes only
+
+        def bind(assignment):
+            return live_out_tensors(plans, assignment)
+
+    # 1. prepare: rank 0 locks and stages, and assigns the shards; every rank learns both.
+    box = None
+    if rank == 0:
+        try:
+            box = (strategy.begin(), assign(tensors, max_shard_size, world, fmt=fmt), None)
+        except CheckpointError as e:
+            if world == 1:
+                raise
+            box = (None, None, str(e))
+    staging, assignment, refusal = comm.broadcast(box)
+    if refusal is not None:
+        raise DestinationError(refusal)
+    try:
+        return _write_staged(tensors, strategy, comm, assignment, staging, fmt, collective, bind, finish, what,
+                             consequence, workers, quiet, started)
+    except BaseException as e:  # an interrupt (SIGINT/SIGTERM) too: rank 0 removes what it staged
+        if rank == 0:
+            strategy.abort()  # a no-op after a commit or an abort
+        if world == 1 and isinstance(e, OSError):
+            raise disk_error(strategy.dst, e) from e
+        raise
+
+
+def _write_staged(tensors, strategy, comm, assignment, staging, fmt, collective, bind, finish, what, consequence,
+                  workers, quiet, started):
+    rank, world = comm.rank, comm.world
+    error, written = None, []
+    try:
+        # 2. bind: the source learns who writes each tensor.
+        if bind is not None:
+            tensors = bind(assignment)
+        if not os.path.isdir(staging):
+            raise DestinationError(f"{staging}: rank 0 created this staging directory but rank {rank} cannot see it; "
+                                   "the destination must be on a file system every rank shares")
+        # 3. this rank's shards.
+        written, error = _write_local(tensors, assignment, staging, rank, world, fmt, collective, workers, quiet)
+    except Exception as e:  # every failure must reach the collective below, or the others hang
+        if world == 1:
+            raise
+        error = _message(e)
+
+    # 4. every rank learns every failure.
+    failures = {r: m for r, m in enumerate(comm.all_gather(error)) if m is not None}
+    if failures:
+        if rank == 0:
+            strategy.abort()
+        comm.barrier()  # the staging directory is gone when any rank raises
+        raise WriteError(what, failures, consequence)
+
+    # 5. rank 0 finishes the directory and commits it.
+    by_name = {t.name: t for t in tensors}
+    report = {"shards": len(assignment.shards), "shard_files": sorted(f for f, _ in assignment.shards),
+              "sharded": assignment.sharded, "tensor_bytes": sum(t.nbytes for t in tensors), "world_size": world,
+              "shards_by_rank": assignment.by_rank()}
+    outcome = None
+    if rank == 0:
+        try:
+            if assignment.sharded:
+                names.write_index(staging, assignment.tensor_to_file, total_size=report["tensor_bytes"],
+                                  total_parameters=sum(t.nbytes // SIZES[t.dtype] for t in tensors),
+                                  name=BIN_INDEX_NAME if fmt == "bin" else SAFETENSORS_INDEX)
+            extra = finish(staging, list(by_name.values())) if finish is not None else {}
+            staged = sorted(os.listdir(staging))
+            strategy.commit(staged)
+            dst = strategy.dst
+            outcome = {**extra, "destination": dst, "files": staged,
+                       "bytes_on_disk": sum(os.path.getsize(os.path.join(dst, n)) for n in staged)}
+        except Exception as e:
+            if world == 1:
+                raise  # write() aborts and reports it
+            strategy.abort()
+            outcome = _message(e)
+    outcome = comm.broadcast(outcome)
+    if isinstance(outcome, str):
+        raise WriteError(what, {0: outcome}, consequence)
+    return {**report, **outcome, "written_here": written, "seconds": round(time.perf_counter() - started, 3)}
+
+
+def _write_local(tensors, assignment, staging, rank, world, fmt, collective, workers, quiet):
+    """Write this rank's shards; with ``collective``, drain the others'. Returns ``(written, error)``;
+    with more than one rank an error is caught (the message) so the collectives keep going."""
+    by_name = {t.name: t for t in tensors}
+    jobs = [(f, [by_name[n] for n in members], r) for (f, members), r in zip(assignment.shards, assignment.ranks)]
+    mine = [(f, ts) for f, ts, r in jobs if r == rank]
+    total = sum(t.nbytes for _, ts in mine for t in ts)
+    write_one = write_bin_shard if fmt == "bin" else write_shard
+    written: List[str] = []
+    error = None
+    desc = "export" if world == 1 else f"export (rank {rank}/{world})"
+    with progress_bar(total, desc, quiet or rank != 0) as bar:
+        if world == 1 and workers > 1 and len(mine) > 1 and not collective:
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = ThreadPoolExecutor(min(workers, len(mine)))
+            try:
+                for future in [pool.submit(write_one, os.path.join(staging, f), ts, bar) for f, ts in mine]:
+                    future.result()  # the first failure propagates; the strategy removes everything
+            finally:  # on a failure or an interrupt, shards not yet started are not written
+                pool.shutdown(wait=True, cancel_futures=True)
+            return [f for f, _ in mine], None
+        for f, ts, r in jobs:
+            if r == rank and error is None:
+                tracked = _Tracked(ts) if collective else None
+                try:
+                    write_one(os.path.join(staging, f), tracked.wrapped if tracked else ts, bar)
+                    written.append(f)
+                except Exception as e:
+                    if world == 1:
+                        raise
+                    text = (f"{e.strerror or e} (errno {e.errno}); check free space, quota and permissions"
+                            if isinstance(e, OSError) else _message(e))
+                    error = f"writing {f}: {text}"
+                    if tracked is not None:  # keep up the collective
+                        tracked.drain_rest(ts)
+            elif collective:
+                for t in shard_order(ts):
+                    drain(t)
+    return written, error
+
+
+class _Tracked:
+    """Remembers how far a shard's tensors were consumed, so a failed writer can keep up the collective."""
+
+    def __init__(self, tensors: Sequence[OutTensor]):
+        self.done = set()
+        self.current = None  # (name, the iterator of its chunks) while a tensor is being read
+        self.wrapped = [OutTensor(t.name, t.dtype, t.shape, self._chunks(t)) for t in tensors]
+
+    def _chunks(self, t):
+        def gen():
+            it = iter(t.chunks())
+            self.current = (t.name, it)
+            # Not ``yield from``: when the writer fails, this generator is closed, and ``yield from``
+            # would close ``it`` too, before drain_rest could finish the tensor's collective.
+            for chunk in it:
+                yield chunk
+            self.current = None
+            self.done.add(t.name)
+        return gen
+
+    def drain_rest(self, tensors):
+        if self.current is not None:  # the tensor the failure interrupted: finish its collective
+            name, rest = self.current
+            for _ in rest:
+                pass
+            self.done.add(name)
+        for t in shard_order(tensors):
+            if t.name not in self.done:
+                drain(t)
+
+
+@dataclass
+class _LiveOut(OutTensor):
+    drain: Optional[Callable[[], None]] = None
+
+
+def live_out_tensors(plans: Sequence[TensorPlan], assignment: Assignment) -> List[OutTensor]:
+    """The tensors to write for a live plan: each :class:`~.plan.LivePiece` read on behalf of the
+    rank the assignment gives its tensor (``chunks()`` on that rank; ``drain()``, the same read
+    with its bytes dropped, on the others)."""
+    out = []
+    for t in plans:
+        writer = assignment.writer_of(t.name)
+        pieces = [p for part in t.parts for p in part]
+
+        def chunks(pieces=pieces, writer=writer):
+            for p in pieces:
+                yield from p.read(p.lo, p.hi, writer)
+
+        def drain_(chunks=chunks):
+            for _ in chunks():
+                pass
+
+        out.append(_LiveOut(t.name, _dtype(t), tuple(t.shape), chunks, drain_))
+    return out
+
+
+def _dtype(t: TensorPlan) -> str:
+    """What a live read yields: the plan's output dtype (a live source casts while reading)."""
+    return t.out_dtype or t.src_dtype
+
+
+def drain(t: OutTensor) -> None:
+    """Take part in ``t``'s collective without keeping its bytes."""
+    quiet = getattr(t, "drain", None)
+    if quiet is not None:
+        quiet()
+    else:
+        for _ in t.chunks():
+            pass
+
+
+def write_bin_shard(path, tensors: Sequence[OutTensor], progress=None) -> int:
+    """``torch.save`` of one shard, each tensor owning exactly its bytes (one shard in memory, never
+    a view of a flat buffer — seed 002); fsynced. Returns the tensor bytes written."""
+    import torch
+
+    from .formats.dtypes import to_torch
+
+    shard = {}
+    for t in shard_order(tensors):
+        buf = bytearray(t.nbytes)
+        view, pos = memoryview(buf), 0
+        for chunk in t.chunks():
+            n = len(chunk)
+            view[pos:pos + n] = memoryview(chunk).cast("B")
+            pos += n
+        if pos != t.nbytes:
+            raise CheckpointError(f"{t.name}: produced {pos} bytes, expected {t.nbytes}; please report this")
+        shard[t.name] = (torch.frombuffer(buf, dtype=to_torch(t.dtype)) if t.nbytes else
+                         torch.empty(0, dtype=to_torch(t.dtype))).view(t.shape)
+    with open(path, "wb") as fh:
+        torch.save(shard, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return sum(t.nbytes for t in tensors)
