@@ -28,7 +28,7 @@ test-main:
 	.venv/bin/python -m pytest tests -ra --durations=15 $(PYTEST_ARGS)
 
 # .venv-cai (transformers 4.51.3): the ColossalAI tests, and the save-time hooks again on that line.
-CAI_TESTS := tests/cai tests/test_trainer_callback.py tests/test_accelerate_hooks.py
+CAI_TESTS := tests/cai tests/test_trainer_callback.py tests/test_accelerate_hooks.py tests/test_peft.py
 test-cai:
 	.venv-cai/bin/python -m pytest $(CAI_TESTS) -ra --durations=10 $(PYTEST_ARGS)
 

@@ -1,9 +1,11 @@
 """The Python API: the same three operations as the CLI, which only parses options, calls these
 and prints (so both front doors take the same options and raise the same errors)."""
 
+import os
 from typing import Optional
 
 from . import sources
+from .errors import OptionError
 from .formats.dtypes import from_user
 from .guards import bad_metadata_as_input
 from .verify import VerifyReport, verify_plan
@@ -23,7 +25,8 @@ def inspect_checkpoint(src, *, tag: Optional[str] = None, config: Optional[str] 
 
 def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[str] = None,
                       max_shard_size=MAX_SHARD_SIZE, config: Optional[str] = None, overwrite: bool = False,
-                      quiet: bool = True, tp_rules=None, workers: int = 1) -> dict:
+                      quiet: bool = True, tp_rules=None, workers: int = 1, merge_adapters: bool = False,
+                      base: Optional[str] = None) -> dict:
     """Export ``src`` (any source the registry reads: DeepSpeed save dir, tag dir, Trainer
     ``checkpoint-N``, universal checkpoint, HF directory) to an HF directory ``dst``.
 
@@ -34,14 +37,29 @@ def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[st
     checkpoint is read. Returns the writer's report, with the plan's ``notes`` (e.g. no config.json
     found). Raises a :class:`~.errors.CheckpointError` subclass for every refusal (an
     :class:`~.errors.OptionError` for a bad option); nothing is written then.
+
+    A checkpoint of a PEFT model exports the adapter directory ``PeftModel.save_pretrained`` writes
+    (``adapter_config.json`` + ``adapter_model.safetensors``); with ``merge_adapters`` a LoRA
+    adapter is merged into its base model instead (``base``: the base model's directory, default
+    the adapter config's ``base_model_name_or_path`` when it is a local directory), written in the
+    base's Hub layout (see :mod:`.peft_merge`).
     """
     check_max_shard_size(max_shard_size)  # before reading the checkpoint
     check_workers(workers)
     from_user(dtype)
+    if base is not None and not merge_adapters:
+        raise OptionError("--base is only used with --merge-adapters")
     plan = sources.build_plan(src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules)
     from .parallel import world_from_env, write_plan_parallel
 
-    if world_from_env() > 1:  # torchrun: the ranks split the shards
+    if (merge_adapters or plan.adapter is not None) and world_from_env() > 1 and os.environ.get("RANK", "0") != "0":
+        return {"destination": os.fspath(dst), "notes": list(plan.notes), "written_by": "rank 0"}  # one small job
+    if merge_adapters:
+        from .peft_merge import write_merged
+
+        report = write_merged(plan, dst, base=base, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
+                              quiet=quiet)
+    elif world_from_env() > 1 and plan.adapter is None:  # torchrun: the ranks split the shards
         report = write_plan_parallel(plan, dst, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
                                      quiet=quiet)
     else:

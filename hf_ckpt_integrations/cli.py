@@ -89,7 +89,16 @@ def inspect_command(args) -> int:
           f"{info['parameters']:,} parameters, {info['bytes_fp32']:,} bytes in fp32")
     if info["aliases"]:
         print("tied        " + ", ".join(f"{a} -> {t}" for a, t in info["aliases"].items()))
-    print(f"config      {info['config_dir'] or 'not found (pass --config to export)'}")
+    adapter = info.get("adapter")
+    if adapter:
+        targets = adapter["target_modules"]
+        print(f"adapter     {adapter['peft_type']} r={adapter['r']} alpha={adapter['lora_alpha']}"
+              f"{' rslora' if adapter['use_rslora'] else ''} name={adapter['name']}   config {adapter['config']}")
+        print(f"targets     {', '.join(targets) if isinstance(targets, list) else targets}"
+              + (f"; modules_to_save {', '.join(adapter['modules_to_save'])}" if adapter["modules_to_save"] else ""))
+        print(f"base        {adapter['base_model_name_or_path']}")
+    else:
+        print(f"config      {info['config_dir'] or 'not found (pass --config to export)'}")
     for note in info["notes"]:
         print(f"note        {note}")
     return EXIT_OK
@@ -124,6 +133,11 @@ def export_command_parser(subparsers=None):
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="write N shards at once from threads in this process (default 1); under torchrun "
                         "the ranks split the shards instead")
+    p.add_argument("--merge-adapters", action="store_true",
+                   help="a PEFT (LoRA) checkpoint: write the base model with the adapter merged in, instead of "
+                        "the adapter directory")
+    p.add_argument("--base", metavar="DIR", help="with --merge-adapters: the base model's directory (default: "
+                   "adapter_config.json's base_model_name_or_path when it is a local directory)")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     p.set_defaults(func=export_command)
     return p
@@ -135,7 +149,7 @@ def export_command(args) -> int:
     # Under `torchrun --nproc_per_node N -m hf_ckpt_integrations export ...` the ranks split the shards.
     report = export_checkpoint(args.src, args.dst, tag=args.tag, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                config=args.config, overwrite=args.overwrite, quiet=args.quiet, tp_rules=args.tp_rule,
-                               workers=args.workers)
+                               workers=args.workers, merge_adapters=args.merge_adapters, base=args.base)
     if os.environ.get("RANK", "0") != "0":
         return EXIT_OK
     for note in [n for n in report.get("notes", []) if "config.json" in n] + report.get("warnings", []):

@@ -38,7 +38,8 @@ from .commit import CommitStrategy, disk_error
 from .errors import CheckpointError, DestinationError
 from .formats import names
 from .formats.dtypes import SIZES
-from .formats.names import BIN_INDEX as BIN_INDEX_NAME, BIN_PATTERN, SAFETENSORS_INDEX, SAFETENSORS_PATTERN
+from .formats.names import (ADAPTER_SAFETENSORS_NAME, BIN_INDEX as BIN_INDEX_NAME, BIN_PATTERN, SAFETENSORS_INDEX,
+                            SAFETENSORS_PATTERN)
 from .plan import TensorPlan
 from .writer import MAX_SHARD_SIZE, OutTensor, progress_bar, shard_order, write_shard
 
@@ -145,7 +146,9 @@ class Assignment:
 
 def assign(tensors: Sequence[OutTensor], max_shard_size, world: int, *, fmt: str = "safetensors") -> Assignment:
     """Split ``tensors`` (in their order) as ``save_pretrained`` does; shard ``i`` goes to rank ``i % world``."""
-    pattern = SAFETENSORS_PATTERN if fmt == "safetensors" else BIN_PATTERN
+    pattern = {"safetensors": SAFETENSORS_PATTERN, "bin": BIN_PATTERN}.get(fmt)
+    if fmt == "adapter":  # a PEFT adapter: PeftModel.save_pretrained's one unsharded file
+        pattern, max_shard_size = ADAPTER_SAFETENSORS_NAME.replace(".safetensors", "{suffix}.safetensors"), 1 << 62
     split = names.split_shards({t.name: t for t in tensors}, lambda t: t.nbytes, max_shard_size=max_shard_size,
                                pattern=pattern)
     shards = [(f, list(members)) for f, members in split.filename_to_tensors.items()]
@@ -174,8 +177,8 @@ def write(tensors: Sequence[OutTensor], strategy: Optional[CommitStrategy], *, c
     started = time.perf_counter()
     comm = comm or Comm()
     rank, world = comm.rank, comm.world
-    if fmt not in ("safetensors", "bin"):
-        raise ValueError(f"fmt={fmt!r}; use 'safetensors' or 'bin'")
+    if fmt not in ("safetensors", "bin", "adapter"):
+        raise ValueError(f"fmt={fmt!r}; use 'safetensors', 'bin' or 'adapter'")
     if any(isinstance(t, TensorPlan) for t in tensors):  # a live source's plan
         if bind is not None:
             raise ValueError("pass either a live plan or bind, not both")
@@ -245,7 +248,7 @@ def _write_staged(tensors, strategy, comm, assignment, staging, fmt, collective,
             if assignment.sharded:
                 names.write_index(staging, assignment.tensor_to_file, total_size=report["tensor_bytes"],
                                   total_parameters=sum(t.nbytes // SIZES[t.dtype] for t in tensors),
-                                  name=SAFETENSORS_INDEX if fmt == "safetensors" else BIN_INDEX_NAME)
+                                  name=BIN_INDEX_NAME if fmt == "bin" else SAFETENSORS_INDEX)
             extra = finish(staging, list(by_name.values())) if finish is not None else {}
             staged = sorted(os.listdir(staging))
             strategy.commit(staged)
@@ -270,7 +273,7 @@ def _write_local(tensors, assignment, staging, rank, world, fmt, collective, wor
     jobs = [(f, [by_name[n] for n in members], r) for (f, members), r in zip(assignment.shards, assignment.ranks)]
     mine = [(f, ts) for f, ts, r in jobs if r == rank]
     total = sum(t.nbytes for _, ts in mine for t in ts)
-    write_one = write_shard if fmt == "safetensors" else write_bin_shard
+    write_one = write_bin_shard if fmt == "bin" else write_shard
     written: List[str] = []
     error = None
     desc = "export" if world == 1 else f"export (rank {rank}/{world})"

@@ -277,6 +277,9 @@ class ExportPlan:
     engine_version: Optional[str] = None  # the engine release that wrote the files (DeepSpeed's ds_version)
     conversions: List[dict] = field(default_factory=list)  # Hub-layout splits/renames (hub_layout)
     out_dtype: Optional[str] = None  # floating tensors are written in it; None: each as stored
+    # A PEFT adapter (sources/peft.py): what `inspect` shows of adapter_config.json; the export is
+    # then the adapter directory PeftModel.save_pretrained writes.
+    adapter: Optional[dict] = None
 
     def tensor_bytes(self, out_dtype: Optional[str] = None) -> int:
         return sum(t.numel * SIZES[out_dtype or t.src_dtype] for t in self.tensors)
@@ -308,6 +311,7 @@ class ExportPlan:
             "notes": self.notes,
             "padding_removed": {k: list(v) for k, v in self.padding_removed.items()},
             "conversions": self.conversions,
+            "adapter": self.adapter,
             "tensors": [
                 {"name": t.name, "shape": list(t.shape), "dtype": t.src_dtype, "out_dtype": t.out_dtype,
                  "kind": t.kind,

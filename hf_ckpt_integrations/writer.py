@@ -19,6 +19,7 @@ gives the call order; commit strategies are in :mod:`.commit`):
 import errno
 import math
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple
@@ -32,6 +33,7 @@ from .formats.dtypes import SIZES as DTYPE_SIZES, from_user as dtype_from_name
 from .formats.names import CONFIG_FILES, MAX_SHARD_SIZE, SAFETENSORS_INDEX as INDEX_NAME
 from .formats.names import SAFETENSORS_PATTERN as SAFETENSORS_FILENAME_PATTERN
 from .formats.safetensors import encode_header
+from .guards import copyable_problem
 from .plan import ExportPlan, decide_dtypes
 from .safe_load import MappedFiles
 
@@ -181,6 +183,18 @@ def copy_config_files(config_dir: Optional[str], directory, skipped: Optional[Li
                         tensor_dtypes=[t.dtype for t in tensors or ()])
 
 
+def copy_adapter_config(path: str, directory, skipped: List[str]) -> List[str]:
+    """Copy the ``adapter_config.json`` at ``path`` into ``directory`` (a regular file only, as
+    :func:`copy_config_files`); return the names copied."""
+    problem = copyable_problem(path, os.path.dirname(path))
+    if problem is not None:
+        skipped.append(problem)
+        return []
+    name = os.path.basename(path)
+    shutil.copyfile(os.path.realpath(path), os.path.join(directory, name))
+    return [name]
+
+
 def set_config_dtype(directory, tensors: Sequence[OutTensor]) -> None:
     """``directory/config.json`` records the dtype of ``tensors`` (:func:`~.formats.config.record_dtype`)."""
     record_dtype(directory, [t.dtype for t in tensors])
@@ -228,6 +242,7 @@ def write_plan(plan: ExportPlan, dst, *, dtype: Optional[str] = None, max_shard_
     with MappedFiles() as files:
         tensors = plan_tensors(plan, dtype, files, ranges=True)
         report = write(tensors, strategy, max_shard_size=max_shard_size, finish=export_finisher(plan),
+                       fmt="adapter" if plan.adapter is not None else "safetensors",
                        workers=workers, quiet=quiet, what=f"exporting into {dst}")
     return _export_report(report)
 
@@ -236,6 +251,8 @@ def export_finisher(plan: ExportPlan):
     """The ``finish`` step of an export: the config and tokenizer files, with the dtype recorded."""
     def finish(staging, tensors):
         skipped: List[str] = []
+        if plan.adapter is not None:  # a PEFT adapter directory: its adapter_config.json, no model config
+            return {"config_files": copy_adapter_config(plan.adapter["config"], staging, skipped), "warnings": skipped}
         copied = copy_config_files(plan.config_dir, staging, skipped, tensors=tensors)
         return {"config_files": copied, "warnings": skipped}
     return finish

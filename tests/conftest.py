@@ -102,6 +102,10 @@ CASES = {
     "fsdp2-trainer-cb": ("fsdp_savetime.py", 2, ["--mode", "trainer-cb"]),
     "fsdp2-trainer-cb-resume": ("fsdp_savetime.py", 2, ["--mode", "trainer-cb", "--resume-from",
                                                         "fsdp2-trainer-cb/run/checkpoint-2"]),
+    # PEFT LoRA under the Trainer + callback + accelerator.save_model (tests/test_peft.py).
+    "peft-z3": ("peft_trainer_run.py", 2, ["--stage", "3"]),
+    "peft-z3-gather": ("peft_trainer_run.py", 2, ["--stage", "3", "--gather-on-save", "--adapter-name", "mine"]),
+    "peft-z2": ("peft_trainer_run.py", 2, ["--stage", "2", "--modules-to-save", "--rslora"]),
 }
 
 

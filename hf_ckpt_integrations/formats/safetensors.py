@@ -151,7 +151,7 @@ def read_hf_dir(path) -> Dict[str, Tuple[str, str, Tuple[int, ...], int, int]]:
     validated (:func:`read_header`). Raises :class:`~..errors.CheckpointError` for a directory
     ``from_pretrained`` would misread: no weights, a tensor in two shards, an index that disagrees
     with its shards."""
-    from .names import SAFETENSORS_INDEX, SAFETENSORS_NAME, read_index
+    from .names import ADAPTER_SAFETENSORS_NAME, SAFETENSORS_INDEX, SAFETENSORS_NAME, read_index
 
     path = os.fspath(path)
     index = os.path.join(path, SAFETENSORS_INDEX)
@@ -161,6 +161,8 @@ def read_hf_dir(path) -> Dict[str, Tuple[str, str, Tuple[int, ...], int, int]]:
         files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(path, SAFETENSORS_NAME)):
         files = [SAFETENSORS_NAME]
+    elif os.path.isfile(os.path.join(path, ADAPTER_SAFETENSORS_NAME)):  # a PEFT adapter directory
+        files = [ADAPTER_SAFETENSORS_NAME]
     else:
         raise CheckpointError(f"{path}: no {SAFETENSORS_NAME} or {SAFETENSORS_INDEX}; pass the directory "
                               "`hf-ckpt export` wrote")

@@ -67,6 +67,10 @@ def save_model(accelerator, model, save_directory, max_shard_size=_ACCELERATE_DE
     if os.path.isfile(save_directory):
         raise SaveError("accelerator.save_model", {rank_world()[0]: f"{save_directory} is a file, not a directory"})
     module = accelerator.unwrap_model(model)
+    from .peft import is_peft_model, save_adapter_live
+
+    if is_peft_model(module):  # only the adapter, as PeftModel.save_pretrained writes it
+        return save_adapter_live(module, save_directory, dtype=dtype)
     tensors = live_tensors(module, dtype=dtype)
     report = write_distributed(tensors, save_directory, max_shard_size=max_shard_size,
                                collective=reads_are_collective(module), replace_existing=True,

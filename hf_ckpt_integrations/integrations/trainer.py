@@ -68,6 +68,10 @@ def save_model(trainer, output_dir: Optional[str] = None, *, dtype: Optional[str
     output_dir = output_dir if output_dir is not None else trainer.args.output_dir
     trainer.save_model(output_dir)
     barrier()
+    from .peft import consolidate_adapter, is_peft_model
+
+    if is_peft_model(trainer.model) and _has_engine_checkpoint(output_dir):
+        return consolidate_adapter(output_dir, trainer.model, dtype=dtype)
     if not _has_engine_checkpoint(output_dir):
         return {"action": "kept", "files": existing_weights(output_dir)}
     return _consolidate_engine_checkpoint(output_dir, trainer.model, dtype=dtype or training_dtype(trainer.model),
@@ -107,6 +111,11 @@ class ConsolidatedCheckpointCallback(TrainerCallback):
         if not _has_engine_checkpoint(directory):
             # Not a DeepSpeed run: the Trainer's own save_pretrained output is already loadable.
             return {"action": "kept", "files": existing_weights(directory)}
+        from .peft import consolidate_adapter, is_peft_model
+
+        if is_peft_model(model):  # the adapter directory PeftModel.save_pretrained writes, no model.safetensors
+            report = self.reports[directory] = consolidate_adapter(directory, model, dtype=self.dtype)
+            return report
         dtype = self.dtype or training_dtype(model)
         report = _consolidate_engine_checkpoint(directory, model, dtype=dtype, max_shard_size=self.max_shard_size,
                                                 existing=self.existing)

@@ -38,7 +38,7 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
     with bad_metadata_as_input(src):
         source = find_source(src, tag)
         plan = plan_with(source, src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules)
-    if plan.config_dir is None:  # say why a config.json beside the checkpoint was not used
+    if plan.config_dir is None and plan.adapter is None:  # say why a config.json beside the checkpoint was not used
         problem = config_problem(src)
         if problem and os.path.lexists(os.path.join(src, "config.json")):
             plan.notes.append(f"{problem}; pass --config DIR holding the model's config.json")

@@ -81,7 +81,7 @@ def _dtensor_reader(t, cast):
     return read
 
 
-def live_tensors(module, *, dtype: Optional[str] = None) -> List[TensorPlan]:
+def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> List[TensorPlan]:
     """The tensors of ``module`` (unwrapped: the ``nn.Module``, not the DeepSpeed engine) to write,
     under the names and splits ``save_pretrained`` writes (:mod:`.hub_layout`: transformers 5's
     fused MoE experts become one tensor per expert, each a slice of the fused parameter).
@@ -91,10 +91,15 @@ def live_tensors(module, *, dtype: Optional[str] = None) -> List[TensorPlan]:
     floating tensors (one tensor at a time). Every rank must call it and get the same list.
     Raises :class:`~..errors.LayoutError` where transformers' save-time conversion is not a split
     along the leading dims.
+
+    ``select``: ``name -> output name or None``: only the tensors it names, under those names, and no
+    Hub-layout conversion (a PEFT adapter, :mod:`.peft`); the others are never read (or gathered).
     """
     st_target = dtype_from_name(dtype)
     cast = to_torch(st_target) if st_target else None
     state = module.state_dict(keep_vars=True)
+    if select is not None:
+        state = {n: t for n, t in state.items() if select(n) is not None}
     owners = dict(module.named_modules())
     seen = {}
     # Point-to-point sends of ZeRO-3 partitions to the writing rank, except under AutoTP (its
@@ -124,10 +129,14 @@ def live_tensors(module, *, dtype: Optional[str] = None) -> List[TensorPlan]:
             shape, read = tuple(t.shape), _local_reader(t, cast)
         sources[name] = (shape, out_dtype, read)
 
-    from .hub_layout import live_layout
+    if select is not None:
+        layout = [(select(n), n, s[0], 0) for n, s in sources.items()]
+    else:
+        from .hub_layout import live_layout
 
+        layout = live_layout(module, {n: s[0] for n, s in sources.items()}, aliases)
     out: List[TensorPlan] = []
-    for name, src, shape, offset in live_layout(module, {n: s[0] for n, s in sources.items()}, aliases):
+    for name, src, shape, offset in layout:
         _, out_dtype, read = sources[src]
         piece = LivePiece(read, offset, offset + math.prod(shape))
         out.append(TensorPlan(name, tuple(shape), out_dtype, [[piece]], kind="live", out_dtype=out_dtype,

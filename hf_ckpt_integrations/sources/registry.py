@@ -15,8 +15,9 @@ A **source** is a module of this package (``sources/<name>.py``) exposing:
 - ``plan(path, *, tag, dtype, config_dir, tp_rules) -> ExportPlan`` — the plan from metadata only.
 
 :func:`build_plan` asks the sources of :data:`SOURCES` in order and runs the shared passes on
-the plan of the first that claims the path: config discovery, tied aliases, the Hub-layout
-conversion, the output dtype decision and :func:`~..plan.check_plan`. Adding a source is one
+the plan of the first that claims the path: config discovery, the PEFT adapter pass
+(:mod:`.peft`: a checkpoint of a ``PeftModel`` becomes its adapter directory), tied aliases, the
+Hub-layout conversion, the output dtype decision and :func:`~..plan.check_plan`. Adding a source is one
 module and one line in :data:`SOURCES` (docs/architecture.md, "Adding a source").
 """
 
@@ -26,7 +27,7 @@ from typing import Optional
 from ..errors import CheckpointError
 from ..formats.names import CONFIG_NAME
 from ..plan import ExportPlan, check_plan, decide_dtypes
-from . import dcp, deepspeed, hf_dir, hub_layout, universal
+from . import dcp, deepspeed, hf_dir, hub_layout, peft, universal
 from .passes import drop_tied_aliases, find_config_dir, tie_embeddings
 
 __all__ = ["SOURCES", "find_source", "plan_with"]
@@ -54,16 +55,20 @@ def find_source(path: str, tag: Optional[str] = None):
 def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None,
               config: Optional[str] = None, tp_rules=None) -> ExportPlan:
     """``source``'s plan of ``path`` with the shared passes applied (see the module doc)."""
+    adapter_config = None
+    if config is not None and peft.is_adapter_config_dir(config):
+        adapter_config, config = config, None  # --config names a PEFT adapter's directory
     if config is not None and not os.path.isfile(os.path.join(config, CONFIG_NAME)):
         raise CheckpointError(f"{config}: no config.json there; pass --config a directory holding the "
                               "model's config.json (e.g. from model.config.save_pretrained(dir))")
     config_dir = config if config is not None else find_config_dir(source.config_candidates(path, tag))
     plan = source.plan(path, tag=tag, dtype=dtype, config_dir=config_dir, tp_rules=tp_rules)
     plan.config_dir = config_dir
-    if config_dir is None:
+    plan = peft.adapter_plan(plan, path, config=adapter_config)  # a PEFT checkpoint: the adapter only
+    if plan.adapter is None and config_dir is None:
         plan.notes.append("no config.json found next to the checkpoint: pass --config DIR, or the "
                           "exported directory will not load with from_pretrained")
-    elif source.MEMORY_NAMES:
+    elif plan.adapter is None and source.MEMORY_NAMES:
         if getattr(source, "TIED_UNDER_BOTH_NAMES", False):
             tie_embeddings(plan)
         drop_tied_aliases(plan)

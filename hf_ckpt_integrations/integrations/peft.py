@@ -1,0 +1,113 @@
+"""Save time for a PEFT model: the adapter directory ``PeftModel.save_pretrained`` writes, correct
+under ZeRO-3 (gather flag on or off) and ZeRO-1/2, never a full or partial ``model.safetensors``.
+
+- :func:`consolidate_adapter` (the Trainer callback): the adapter is read from the DeepSpeed
+  checkpoint the Trainer has just written into ``checkpoint-N/`` (exactly the state a resume
+  loads; for a PEFT model the Trainer leaves the frozen base out of it), renamed as peft names it
+  (:mod:`..sources.peft`), and written by rank 0; nothing is gathered.
+- :func:`save_adapter_live` (``accelerator.save_model``): only the adapter's parameters are read
+  from the live engine (under ZeRO-3 their partitions are broadcast one at a time, see
+  :mod:`..sources.live`); the frozen base is never gathered.
+
+Both write ``adapter_config.json`` from the live model's ``peft_config`` as peft does
+(``inference_mode`` true) and refuse an empty adapter (no tensor, or a zero-size one: the known
+ZeRO-3 bug's output). Collective: every rank calls them.
+"""
+
+import copy
+import os
+from typing import Optional
+
+from ..sources.peft import (adapter_names_in, adapter_out_dir, check_not_empty, is_peft_model,
+                            save_name)
+from ._dist import all_ranks_ok, rank_world, write_distributed
+
+__all__ = ["is_peft_model", "consolidate_adapter", "save_adapter_live", "adapter_dtype"]
+
+_TORCH_TO_NAME = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+def adapter_dtype(model) -> Optional[str]:
+    """The dtype of the trainable (adapter) parameters, what ``save_pretrained`` writes them in
+    (peft keeps adapters in fp32 over a bf16 base by default)."""
+    seen = {str(p.dtype) for p in model.parameters() if p.requires_grad and p.is_floating_point()}
+    return _TORCH_TO_NAME.get(seen.pop()) if len(seen) == 1 else None
+
+
+def _trained_adapters(model):
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    found = adapter_names_in(names)
+    return found or [getattr(model, "active_adapter", "default")]
+
+
+def _write_config(model, adapter, out_dir) -> None:
+    """``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it."""
+    cfg = copy.deepcopy(model.peft_config[adapter])
+    if cfg.base_model_name_or_path is None:
+        cfg.base_model_name_or_path = model.base_model.__dict__.get("name_or_path", None)
+    cfg.inference_mode = True
+    cfg.save_pretrained(out_dir)
+
+
+def _config_on_rank0(model, adapter, out_dir, what):
+    error = None
+    if rank_world()[0] == 0:
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            _write_config(model, adapter, out_dir)
+        except Exception as e:
+            error = e
+    all_ranks_ok(error, f"{what}: writing adapter_config.json")
+
+
+def consolidate_adapter(checkpoint_dir, model, *, dtype: Optional[str] = None) -> dict:
+    """Write each trained adapter of ``model`` into ``checkpoint_dir`` (a subdirectory for an
+    adapter not named ``default``, as peft does) from the DeepSpeed checkpoint there. Collective."""
+    from ..safe_load import MappedFiles
+    from ..sources import build_plan
+    from ..writer import plan_tensors
+
+    checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
+    dtype = dtype or adapter_dtype(model)
+    reports = {}
+    for adapter in _trained_adapters(model):
+        out_dir = adapter_out_dir(checkpoint_dir, adapter)
+        what = f"saving adapter {adapter!r} into {out_dir}"
+        _config_on_rank0(model, adapter, out_dir, what)
+        plan, error = None, None
+        try:
+            plan = build_plan(checkpoint_dir, dtype=dtype, config=out_dir)
+            if plan.adapter is None or plan.adapter["name"] != adapter:
+                raise RuntimeError(f"{checkpoint_dir}: the DeepSpeed checkpoint holds no tensors of adapter {adapter!r}")
+        except Exception as e:
+            error = e
+        all_ranks_ok(error, f"{what}: planning")
+        with MappedFiles() as files:
+            tensors = plan_tensors(plan, dtype, files, ranges=True)
+            reports[adapter] = write_distributed(tensors, out_dir, replace_existing=False, what=what,
+                                                 fmt="adapter")
+    return {"action": "written", "adapters": reports,
+            "files": sorted({f for r in reports.values() for f in r["files"]} | {"adapter_config.json"})}
+
+
+def save_adapter_live(module, save_directory, *, dtype: Optional[str] = None) -> dict:
+    """``PeftModel.save_pretrained(save_directory)`` for a live (DeepSpeed) PEFT ``module``,
+    reading only the adapter parameters. Collective."""
+    from ..sources.live import live_tensors, reads_are_collective
+
+    dtype = dtype or adapter_dtype(module)
+    reports = {}
+    for adapter in _trained_adapters(module):
+        out_dir = adapter_out_dir(os.path.abspath(os.fspath(save_directory)), adapter)
+        what = f"saving adapter {adapter!r} into {out_dir}"
+        tensors, error = None, None
+        try:
+            tensors = live_tensors(module, dtype=dtype, select=lambda n, a=adapter: save_name(n, a))
+            check_not_empty(tensors, out_dir)
+        except Exception as e:
+            error = e
+        all_ranks_ok(error, f"{what}: planning")
+        _config_on_rank0(module, adapter, out_dir, what)
+        reports[adapter] = write_distributed(tensors, out_dir, collective=reads_are_collective(module),
+                                             replace_existing=False, what=what, fmt="adapter")
+    return {"action": "written", "adapters": reports}
