@@ -12,7 +12,8 @@ help:
 	@echo "make docs   - build the documentation site (mkdocs --strict) into site/"
 	@echo "make bench  - benchmark hf-ckpt export against zero_to_fp32.py, and save-time hooks against"
 	@echo "              save_pretrained under ZeRO-2/3, and plan cost against the rank count on"
-	@echo "              synthetic 8..1,024-rank saves (not part of make test)"
+	@echo "              synthetic 8..1,024-rank saves, and FSDP2/DCP export against dcp_to_torch_save,"
+	@echo "              accelerate merge-weights and consolidate_safetensors_files (not part of make test)"
 	@echo "make fuzz   - the hostile-input fuzz tests with many more cases than make test runs"
 
 setup:
@@ -39,6 +40,7 @@ bench: setup
 	.venv/bin/python benchmarks/export_bench.py
 	.venv/bin/python benchmarks/save_bench.py
 	.venv/bin/python benchmarks/scale_bench.py
+	.venv/bin/python benchmarks/dcp_bench.py
 
 fuzz: setup
 	HFCKPT_FUZZ_EXAMPLES=$${HFCKPT_FUZZ_EXAMPLES:-5000} .venv/bin/python -m pytest tests/test_reliability.py -k fuzz -q

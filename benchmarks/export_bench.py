@@ -458,10 +458,13 @@ def main(argv=None):
         DOC.parent.mkdir(exist_ok=True)
         old = DOC.read_text() if DOC.exists() else ""
         kept = save_block(old)  # save_bench.py's section, as is
-        i, j = old.find("<!-- scale-bench:start -->"), old.find("<!-- scale-bench:end -->")
-        scale = old[i:j + len("<!-- scale-bench:end -->")] if 0 <= i < j else ""  # scale_bench.py's, as is
+        tail = []  # scale_bench.py's and dcp_bench.py's sections, as they are
+        for block in ("scale-bench", "dcp-bench"):
+            i, j = old.find(f"<!-- {block}:start -->"), old.find(f"<!-- {block}:end -->")
+            if 0 <= i < j:
+                tail.append(old[i:j + len(f"<!-- {block}:end -->")])
         doc = render_doc(table=table, save_bench=kept, **meta).rstrip("\n")
-        DOC.write_text(doc + ("\n\n" + scale + "\n" if scale else "\n"))
+        DOC.write_text(doc + "".join("\n\n" + t for t in tail) + "\n")
         print(f"\nwrote {DOC.relative_to(REPO)}", file=sys.stderr)
     return 0
 
