@@ -4,6 +4,7 @@ Each script runs under ``torchrun`` as a real multi-process job on CPU with gloo
 """
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -47,6 +48,23 @@ def write_json(path, obj):
 
 def rank():
     return int(os.environ.get("RANK", "0"))
+
+
+def finish():
+    """End an engine run: a final barrier, then leave without interpreter teardown.
+
+    On CPU, gloo/DeepSpeed/FSDP processes sometimes abort at interpreter exit ("terminate called
+    without an active exception", SIGABRT) after all their work is done; torchrun then reports the
+    run failed. Everything is written by the barrier, so the process ends there with status 0.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def init_cpu_deepspeed_state():

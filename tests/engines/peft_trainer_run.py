@@ -123,8 +123,7 @@ def main():
     metrics["peak_rss_end_mb"] = rss_mb()
     (args.out / "metrics").mkdir(parents=True, exist_ok=True)
     common.write_json(args.out / "metrics" / f"rank{rank}.json", metrics)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
 
 
 if __name__ == "__main__":

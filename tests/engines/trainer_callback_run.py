@@ -158,8 +158,7 @@ def main():
                        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
     if rank == 0:
         dump(args.out / "reference" / "run.json", run)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ def main():
         learning_rate=1e-2, report_to=[], seed=0, dataloader_num_workers=0, disable_tqdm=True,
         save_strategy="steps", use_cpu=True)
     Trainer(model=model, args=targs, train_dataset=RandomTokens()).train()
+    common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
 
 
 if __name__ == "__main__":

@@ -83,8 +83,7 @@ def main():
         common.write_json(args.out / "reference" / "run.json",
                           {"stage": args.stage, "dtype": args.dtype, "steps": args.steps,
                            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]})
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
 
 
 if __name__ == "__main__":
