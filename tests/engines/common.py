@@ -46,6 +46,20 @@ def write_json(path, obj):
     Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True))
 
 
+class RandomTokens(torch.utils.data.Dataset):
+    """``n`` fixed random sequences of ``seq`` tokens, each its own label (the Trainer runs' data)."""
+
+    def __init__(self, n=64, seq=16):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, VOCAB_SIZE, (n, seq), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
 def rank():
     return int(os.environ.get("RANK", "0"))
 

@@ -21,7 +21,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from trainer_train import RandomTokens  # noqa: E402
 
 
 def rss_mb():
@@ -112,7 +111,7 @@ def main():
         disable_tqdm=True, save_strategy="steps", accelerator_config={"use_configured_state": True},
     )
     callbacks = [ReferenceCallback()] + ([] if args.no_callback else [Measured()])
-    trainer = Trainer(model=model, args=targs, train_dataset=RandomTokens(), callbacks=callbacks)
+    trainer = Trainer(model=model, args=targs, train_dataset=common.RandomTokens(), callbacks=callbacks)
     trainer.train()
 
     if not args.no_callback:
