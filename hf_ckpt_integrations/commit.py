@@ -154,7 +154,15 @@ class CommitStrategy:
         raise NotImplementedError
 
     def abort(self) -> None:
-        raise NotImplementedError
+        """Remove the staging directory ``self.path`` and release the lock (both strategies stage
+        into a directory of their own and hold ``self._lock`` in state ``staged``)."""
+        if self._state != "staged":
+            return
+        self._state = "done"
+        try:
+            shutil.rmtree(self.path, ignore_errors=True)
+        finally:
+            self._lock.release()
 
 
 class SiblingSwap(CommitStrategy):
@@ -262,15 +270,6 @@ class SiblingSwap(CommitStrategy):
         except OSError as e:
             shutil.rmtree(self.path, ignore_errors=True)
             raise disk_error(self.dst, e) from e
-        finally:
-            self._lock.release()
-
-    def abort(self) -> None:
-        if self._state != "staged":
-            return
-        self._state = "done"
-        try:
-            shutil.rmtree(self.path, ignore_errors=True)
         finally:
             self._lock.release()
 
@@ -392,14 +391,6 @@ class MergeIntoCheckpoint(CommitStrategy):
         fsync_dir(self.dst)
         shutil.rmtree(self.path, ignore_errors=True)
 
-    def abort(self) -> None:
-        if self._state != "staged":
-            return
-        self._state = "done"
-        try:
-            shutil.rmtree(self.path, ignore_errors=True)
-        finally:
-            self._lock.release()
 
 
 def _weight_files(directory) -> List[str]:

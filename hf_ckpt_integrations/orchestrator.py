@@ -189,18 +189,20 @@ def write(tensors: Sequence[OutTensor], strategy: Optional[CommitStrategy], *, c
             return live_out_tensors(plans, assignment)
 
     # 1. prepare: rank 0 locks and stages, and assigns the shards; every rank learns both.
-    box = None
-    if rank == 0:
-        try:
-            box = (strategy.begin(), assign(tensors, max_shard_size, world, fmt=fmt), None)
-        except CheckpointError as e:
-            if world == 1:
-                raise
-            box = (None, None, str(e))
-    staging, assignment, refusal = comm.broadcast(box)
-    if refusal is not None:
-        raise DestinationError(refusal)
+    # From the moment begin() stages a directory, any exception or interrupt (SIGTERM arriving
+    # during the assignment or the broadcast) must reach the abort below.
     try:
+        box = None
+        if rank == 0:
+            try:
+                box = (strategy.begin(), assign(tensors, max_shard_size, world, fmt=fmt), None)
+            except CheckpointError as e:
+                if world == 1:
+                    raise
+                box = (None, None, str(e))
+        staging, assignment, refusal = comm.broadcast(box)
+        if refusal is not None:
+            raise DestinationError(refusal)
         return _write_staged(tensors, strategy, comm, assignment, staging, fmt, collective, bind, finish, what,
                              consequence, workers, quiet, started)
     except BaseException as e:  # an interrupt (SIGINT/SIGTERM) too: rank 0 removes what it staged

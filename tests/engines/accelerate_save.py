@@ -110,8 +110,7 @@ def main():
     common_dir = args.out / "metrics"
     common_dir.mkdir(parents=True, exist_ok=True)
     common.write_json(common_dir / f"rank{rank}.json", metrics)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
 
 
 if __name__ == "__main__":

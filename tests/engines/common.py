@@ -4,6 +4,7 @@ Each script runs under ``torchrun`` as a real multi-process job on CPU with gloo
 """
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -45,8 +46,39 @@ def write_json(path, obj):
     Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True))
 
 
+class RandomTokens(torch.utils.data.Dataset):
+    """``n`` fixed random sequences of ``seq`` tokens, each its own label (the Trainer runs' data)."""
+
+    def __init__(self, n=64, seq=16):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, VOCAB_SIZE, (n, seq), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
 def rank():
     return int(os.environ.get("RANK", "0"))
+
+
+def finish():
+    """End an engine run: a final barrier, then leave without interpreter teardown.
+
+    On CPU, gloo/DeepSpeed/FSDP processes sometimes abort at interpreter exit ("terminate called
+    without an active exception", SIGABRT) after all their work is done; torchrun then reports the
+    run failed. Everything is written by the barrier, so the process ends there with status 0.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def init_cpu_deepspeed_state():

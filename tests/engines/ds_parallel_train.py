@@ -124,8 +124,7 @@ def main():
         config.save_pretrained(args.out / "config")
         common.write_json(ref / "run.json", {"mode": args.mode, "mp": args.mp, "stage": args.stage,
                                             "world_size": dist.get_world_size(), "local_shapes": shapes})
-    dist.barrier()
-    dist.destroy_process_group()
+    common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
 
 
 if __name__ == "__main__":

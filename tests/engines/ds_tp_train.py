@@ -176,8 +176,7 @@ def main():
         save_file(masters, str(ref / "master.safetensors"))
         config.save_pretrained(args.out / "config")
         common.write_json(ref / "run.json", {"stage": args.stage, "tp": dist.get_world_size(), "losses": losses})
-    dist.barrier()
-    dist.destroy_process_group()
+    common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
 
 
 if __name__ == "__main__":

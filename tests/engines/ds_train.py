@@ -82,8 +82,7 @@ def main():
                                             "variant": args.variant, "steps": args.steps,
                                             "world_size": torch.distributed.get_world_size(),
                                             "frozen": [n for n, p in named if not p.requires_grad]})
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
 
 
 if __name__ == "__main__":

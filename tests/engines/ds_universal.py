@@ -77,8 +77,7 @@ def train(args):
         (args.out / "ds_to_universal.log").write_text(r.stdout + r.stderr)
         common.write_json(args.out / "run.json", {"layout": args.layout, "info": args.info, "world_size": world,
                                                   "dp": dp, "losses": losses, "ds_to_universal_rc": r.returncode})
-    dist.barrier()
-    dist.destroy_process_group()
+    common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
 
 
 def resume(args):
@@ -108,7 +107,7 @@ def resume(args):
         losses.append(loss.item())
     common.write_json(args.out / "run.json", {"resumed_from": str(source), "losses": losses,
                                               "expected": trained["losses"][SAVE_AT:]})
-    dist.destroy_process_group()
+    common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
 
 
 def main():

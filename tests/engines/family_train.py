@@ -48,8 +48,7 @@ def main():
     if rank == 0:
         families.reference_save(args.family, masters, args.out / "reference" / "hf")
         engine.module.config.save_pretrained(args.out / "config")
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
 
 
 if __name__ == "__main__":

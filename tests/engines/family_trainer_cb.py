@@ -67,8 +67,7 @@ def main():
     masters, _ = common.engine_weights(module, zero3=args.stage == 3)  # collective
     if rank == 0:
         families.reference_save(args.family, masters, args.out / "reference" / "hf")
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
 
 
 if __name__ == "__main__":

@@ -35,16 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 
-class RandomTokens(torch.utils.data.Dataset):
-    def __init__(self, n=16, seq=16):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, common.VOCAB_SIZE, (n, seq), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def _model():
@@ -159,7 +149,7 @@ def run_trainer(out: Path, callback=None, resume_from=None):
                                         "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                                         "reshard_after_forward": True, "cpu_ram_efficient_loading": False})
     callbacks = [callback] if callback else []
-    trainer = FsdpTrainer(model=_model(), args=targs, train_dataset=RandomTokens(), callbacks=callbacks)
+    trainer = FsdpTrainer(model=_model(), args=targs, train_dataset=common.RandomTokens(n=16), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     _reference(trainer.model_wrapped, out)
 

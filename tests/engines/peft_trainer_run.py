@@ -21,7 +21,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from trainer_train import RandomTokens  # noqa: E402
 
 
 def rss_mb():
@@ -112,7 +111,7 @@ def main():
         disable_tqdm=True, save_strategy="steps", accelerator_config={"use_configured_state": True},
     )
     callbacks = [ReferenceCallback()] + ([] if args.no_callback else [Measured()])
-    trainer = Trainer(model=model, args=targs, train_dataset=RandomTokens(), callbacks=callbacks)
+    trainer = Trainer(model=model, args=targs, train_dataset=common.RandomTokens(), callbacks=callbacks)
     trainer.train()
 
     if not args.no_callback:
@@ -123,8 +122,7 @@ def main():
     metrics["peak_rss_end_mb"] = rss_mb()
     (args.out / "metrics").mkdir(parents=True, exist_ok=True)
     common.write_json(args.out / "metrics" / f"rank{rank}.json", metrics)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from trainer_train import RandomTokens  # noqa: E402
 
 
 def tree_hash(path):
@@ -114,7 +113,7 @@ def main():
             accelerator_config={"use_configured_state": True},
         )
         cb = Timed(dtype=args.cb_dtype, checkpoints=args.checkpoints, max_shard_size=args.max_shard_size)
-        trainer = Trainer(model=model, args=targs, train_dataset=RandomTokens(),
+        trainer = Trainer(model=model, args=targs, train_dataset=common.RandomTokens(),
                           callbacks=[ReferenceCallback(args.out / "reference"), cb])
         return trainer, cb
 
@@ -158,8 +157,7 @@ def main():
                        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
     if rank == 0:
         dump(args.out / "reference" / "run.json", run)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
 
 
 if __name__ == "__main__":

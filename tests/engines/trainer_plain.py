@@ -14,16 +14,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 
-class RandomTokens(torch.utils.data.Dataset):
-    def __init__(self, n=8, seq=16):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, common.VOCAB_SIZE, (n, seq), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def main():
@@ -39,7 +29,8 @@ def main():
         output_dir=str(args.out / "run"), max_steps=2, save_steps=2, per_device_train_batch_size=2,
         learning_rate=1e-2, report_to=[], seed=0, dataloader_num_workers=0, disable_tqdm=True,
         save_strategy="steps", use_cpu=True)
-    Trainer(model=model, args=targs, train_dataset=RandomTokens()).train()
+    Trainer(model=model, args=targs, train_dataset=common.RandomTokens(n=8)).train()
+    common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
 
 
 if __name__ == "__main__":

@@ -16,16 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 
-class RandomTokens(torch.utils.data.Dataset):
-    def __init__(self, n=64, seq=16):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, common.VOCAB_SIZE, (n, seq), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def main():
@@ -77,14 +67,13 @@ def main():
         disable_tqdm=True, save_strategy="steps",
         accelerator_config={"use_configured_state": True},  # keep the state made above
     )
-    trainer = Trainer(model=model, args=targs, train_dataset=RandomTokens(), callbacks=[ReferenceCallback()])
+    trainer = Trainer(model=model, args=targs, train_dataset=common.RandomTokens(), callbacks=[ReferenceCallback()])
     trainer.train()
     if trainer.is_world_process_zero():
         common.write_json(args.out / "reference" / "run.json",
                           {"stage": args.stage, "dtype": args.dtype, "steps": args.steps,
                            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]})
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
 
 
 if __name__ == "__main__":
