@@ -97,6 +97,7 @@ CASES = {
     **{f"fsdp2-{m}": ("fsdp_train.py", 2, ["--mode", m]) for m in ("plain", "accelerate", "trainer")},
     # FSDP2 saved through torch's HuggingFaceStorageWriter (save_distributed: per-rank safetensors).
     "fsdp2-hf-writer": ("fsdp_hf_writer.py", 2, []),
+    **{m: ("fsdp_train.py", 2, ["--mode", m]) for m in ("fsdp1", "fsdp1-flat")},  # FSDP1 SHARDED_STATE_DICT
     # FSDP2 save-time: install_accelerate_hooks + save_model; the Trainer callback, then a resumed run.
     "fsdp2-accelerate-hooks": ("fsdp_savetime.py", 2, ["--mode", "accelerate-hooks"]),
     "fsdp2-trainer-cb": ("fsdp_savetime.py", 2, ["--mode", "trainer-cb"]),

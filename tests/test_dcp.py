@@ -214,7 +214,9 @@ def test_hostile_chunk_archive_is_refused_unexecuted(tmp_path):
 # ---------------------------------------------------------------- real engine runs
 
 ENGINE_CASES = {"fsdp2-plain": "dcp", "fsdp2-accelerate": "state", "fsdp2-trainer": "run/checkpoint-4",
-                "fsdp2-hf-writer": "hf"}
+                "fsdp2-hf-writer": "hf",
+                # FSDP1 under SHARDED_STATE_DICT, with original params and with flat params
+                "fsdp1": "state", "fsdp1-flat": "state"}
 
 
 @pytest.mark.parametrize("case", sorted(ENGINE_CASES))

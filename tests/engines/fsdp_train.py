@@ -154,12 +154,44 @@ def run_trainer(out: Path, callback=None, resume_from=None):
     _reference(trainer.model_wrapped, out)
 
 
+def run_fsdp1(out: Path, *, use_orig_params: bool):
+    """FSDP1 (``FullyShardedDataParallel``) on CPU, saved as Accelerate saves it under
+    ``SHARDED_STATE_DICT``: ``{"model": state_dict}`` with ``dcp.save`` into
+    ``pytorch_model_fsdp_0/``. The reference is FSDP1's own ``FULL_STATE_DICT`` on every rank
+    (``rank0_only=True`` with ``offload_to_cpu=True`` segfaults in torch 2.13 on CPU)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+
+    dist.init_process_group("gloo")
+    model = FSDP(_model(), device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        ids = common.fixed_batch(step, rank=dist.get_rank())
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(out / "state" / "pytorch_model_fsdp_0"))
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                              FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
+        full = model.state_dict()
+    with torch.no_grad():
+        logits = model(common.probe_input()).logits.detach().float()
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in full.items()}, str(out / "reference.safetensors"))
+        model.module.config.save_pretrained(str(out / "config"))
+        torch.save(logits, out / "logits.pt")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
-    p.add_argument("--mode", choices=("plain", "accelerate", "trainer"), required=True)
+    p.add_argument("--mode", choices=("plain", "accelerate", "trainer", "fsdp1", "fsdp1-flat"), required=True)
     args = p.parse_args()
-    {"plain": run_plain, "accelerate": run_accelerate, "trainer": run_trainer}[args.mode](args.out)
+    {"plain": run_plain, "accelerate": run_accelerate, "trainer": run_trainer,
+     "fsdp1": lambda out: run_fsdp1(out, use_orig_params=True),
+     "fsdp1-flat": lambda out: run_fsdp1(out, use_orig_params=False)}[args.mode](args.out)
     finish()
 
 
