@@ -70,7 +70,9 @@ def write_index(directory, weight_map: Dict[str, str], *, total_size: int, total
     if total_parameters is not None:
         meta["total_parameters"] = total_parameters
     path = os.path.join(directory, name)
-    with open(path, "w", encoding="utf-8") as fh:
+    from ..outfiles import open_new
+
+    with open_new(path, "w", encoding="utf-8") as fh:  # a new file: never through a planted link
         json.dump({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}, fh, indent=2, sort_keys=True)
         fh.write("\n")
     return path
