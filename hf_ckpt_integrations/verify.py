@@ -71,9 +71,11 @@ def verify_plan(plan, dst) -> VerifyReport:
 def _check_source_crc(plan, report) -> None:
     """CRC-32 of every zip entry of the source the plan reads (partitions, module weights), against
     the checksum the zip recorded when torch saved it: a flipped bit in a partition is a difference."""
+    import os
     import zipfile
 
     from .safe_load import check_crc
+    from .sources import dcp
 
     ranges: Dict[str, List[Tuple[int, int]]] = {}
     for t in plan.tensors:
@@ -81,8 +83,16 @@ def _check_source_crc(plan, report) -> None:
                                                     if t.module_check else [])
         for p in (p for part in parts for p in part):
             ranges.setdefault(p.path, []).append((p.offset, p.numel * DTYPE_SIZES[p.dtype]))
+    dcp_archives: Dict[str, List[Tuple[int, int]]] = {}
+    for d in sorted({os.path.dirname(p) for p in ranges if p.endswith(".distcp")}):
+        if os.path.isfile(os.path.join(d, dcp.METADATA)):  # the chunks' archives, where .metadata records them
+            dcp_archives.update(dcp.data_archives(d))
     for path in sorted(ranges):
-        if zipfile.is_zipfile(path):
+        if path in dcp_archives:  # torch DCP: one archive per chunk, each checked within its own bytes
+            for what in dcp.check_archive_crcs(path, dcp_archives[path], ranges[path]):
+                report.differences.append(f"{path}: {what} fails its CRC-32 check (the checksum torch wrote with "
+                                          "it): the source file is damaged, copy it again")
+        elif zipfile.is_zipfile(path):
             for entry in check_crc(path, ranges[path]):
                 report.differences.append(f"{path}: entry {entry} fails its CRC-32 check (the checksum torch "
                                           "wrote with it): the source file is damaged, copy it again")
