@@ -80,7 +80,8 @@ def _check_source_crc(plan, report) -> None:
     ranges: Dict[str, List[Tuple[int, int]]] = {}
     for t in plan.tensors:
         parts = list(t.parts) + list(t.replicas) + (list(t.module_check[0]) + list(t.module_check[1])
-                                                    if t.module_check else [])
+                                                    if t.module_check else []) + \
+            [list(c.pieces) for _, chunks in t.tied_copies for c in chunks]
         for p in (p for part in parts for p in part):
             ranges.setdefault(p.path, []).append((p.offset, p.numel * DTYPE_SIZES[p.dtype]))
     dcp_archives: Dict[str, List[Tuple[int, int]]] = {}
