@@ -70,7 +70,8 @@ def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[st
 
 def verify_checkpoint(dst, against, *, tag: Optional[str] = None, config: Optional[str] = None,
                       tp_rules=None) -> VerifyReport:
-    """Compare every tensor of the HF directory ``dst`` with the source ``against``, bitwise."""
-    plan = sources.build_plan(against, tag=tag, config=config, tp_rules=tp_rules)
+    """Compare every tensor of the HF directory ``dst`` with the source ``against``, bitwise. The plan
+    is derived afresh (no Hub-layout cache): verify never takes an answer from what export used."""
+    plan = sources.build_plan(against, tag=tag, config=config, tp_rules=tp_rules, layout_cache=False)
     with bad_metadata_as_input(dst):  # a hand-edited index or header of dst is bad input, not a bug
         return verify_plan(plan, dst)

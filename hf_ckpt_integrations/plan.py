@@ -249,6 +249,9 @@ class TensorPlan:
     out_dtype: Optional[str] = None  # the dtype written (:func:`decide_dtypes`); None until decided
     # N-D placement given by the source (FSDP x TP...); None: derived from ``parts`` (:meth:`placement`).
     chunks: Optional[List[Chunk]] = None
+    # (name, chunks tiling ``shape``) of a tied copy held under another name (an FSDP ``lm_head.weight``
+    # beside the embedding): bitwise equal to this tensor whatever either's layout; checked, never written.
+    tied_copies: List[Tuple[str, List[Chunk]]] = field(default_factory=list)
 
     @classmethod
     def from_chunks(cls, name: str, shape: Tuple[int, ...], src_dtype: str, chunks: Sequence[Chunk],

@@ -53,8 +53,9 @@ def find_source(path: str, tag: Optional[str] = None):
 
 
 def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None,
-              config: Optional[str] = None, tp_rules=None) -> ExportPlan:
-    """``source``'s plan of ``path`` with the shared passes applied (see the module doc)."""
+              config: Optional[str] = None, tp_rules=None, layout_cache: bool = True) -> ExportPlan:
+    """``source``'s plan of ``path`` with the shared passes applied (see the module doc);
+    ``layout_cache``: whether the Hub-layout pass may answer from its cache."""
     adapter_config = None
     if config is not None and peft.is_adapter_config_dir(config):
         adapter_config, config = config, None  # --config names a PEFT adapter's directory
@@ -72,7 +73,7 @@ def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[s
         if getattr(source, "TIED_UNDER_BOTH_NAMES", False):
             tie_embeddings(plan)
         drop_tied_aliases(plan)
-        hub_layout.convert_plan(plan)
+        hub_layout.convert_plan(plan, use_cache=layout_cache)
     decide_dtypes(plan, dtype)
     check_plan(plan)
     return plan
