@@ -238,6 +238,20 @@ def engine_ckpt():
     return build_case
 
 
+COMMITTED = REPO / "tests" / "fixtures" / "deepspeed"
+
+
+@pytest.fixture
+def committed_zero2(tmp_path):
+    """A private copy (tests damage it) of a committed 2-rank ZeRO-2 checkpoint written by a real
+    DeepSpeed (tests/fixtures/deepspeed/0.18.9/zero2): ``work/ckpt`` (tag ``global_step2``) beside
+    ``work/config.json``; returns ``work``. The guards that only read a checkpoint run on it with
+    no engine run."""
+    work = tmp_path / "work"
+    shutil.copytree(COMMITTED / "0.18.9" / "zero2", work)
+    return work
+
+
 def pytest_collection_modifyitems(config, items):
     """A test that gets an engine run through a fixture is an engine test (marked here, so that
     ``-m "not engine"`` is the fast suite without each file having to remember the marker)."""
