@@ -6,6 +6,7 @@ On a private copy of a committed DeepSpeed checkpoint, in this process: no engin
 import random
 
 import pytest
+import torch
 
 from hf_ckpt_integrations import api
 from hf_ckpt_integrations.formats.safetensors import read_hf_dir
@@ -65,3 +66,25 @@ def test_a_flipped_bit_in_the_source_fails_its_crc(exported):
     crc = [d for d in report.differences if "fails its CRC-32 check" in d]
     assert len(crc) == 1 and crc[0].startswith(f"{piece.path}: entry ") and crc[0].endswith(
         "the source file is damaged, copy it again"), report.differences
+
+
+def test_a_missing_and_an_extra_tensor_are_named(exported):
+    """One tensor taken out of its shard and one the source does not have put in (the index updated
+    to match, so only the comparison of names can tell)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = exported
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    gone = sorted(index["weight_map"])[0]
+    shard = dst / index["weight_map"].pop(gone)
+    tensors = load_file(str(shard))
+    del tensors[gone]
+    tensors["extra.weight"] = torch.zeros(2)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index["weight_map"]["extra.weight"] = shard.name
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    report = api.verify_checkpoint(dst, src)
+    assert sorted(report.differences) == sorted([f"{gone}: missing from {dst}",
+                                                 f"extra.weight: in {dst} but not in the source"]), report.differences
