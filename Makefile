@@ -50,7 +50,7 @@ bench: setup
 	.venv/bin/python benchmarks/dcp_bench.py
 
 fuzz: setup
-	HFCKPT_FUZZ_EXAMPLES=$${HFCKPT_FUZZ_EXAMPLES:-5000} .venv/bin/python -m pytest tests/test_reliability.py -k fuzz -q
+	HFCKPT_FUZZ_EXAMPLES=$${HFCKPT_FUZZ_EXAMPLES:-5000} .venv/bin/python -m pytest tests/test_fuzz.py $(wildcard tests/test_fuzz_*.py) -q
 
 mutants: setup
 	.venv/bin/python scripts/mutants.py $(MUTANTS_ARGS)

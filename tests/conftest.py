@@ -252,6 +252,36 @@ def committed_zero2(tmp_path):
     return work
 
 
+# A private copy of the ZeRO-2 engine case, in two layouts (tests damage them).
+@pytest.fixture
+def z2(engine_ckpt, tmp_path):
+    """A private copy of the ZeRO-2 case (tests may damage it)."""
+    case = engine_ckpt("z2-fp32")
+    src = tmp_path / "src"
+    shutil.copytree(case / "ckpt", src)
+    return src, case / "config"
+
+
+@pytest.fixture
+def z2_trainer(engine_ckpt, tmp_path):
+    """A private copy of the ZeRO-2 case with its config.json beside it (a Trainer-like layout)."""
+    case = engine_ckpt("z2-fp32")
+    src = tmp_path / "work" / "src"
+    shutil.copytree(case / "ckpt", src)
+    shutil.copy(case / "config" / "config.json", src / "config.json")
+    return src
+
+
+SECRET = "BEGIN-PRIVATE-KEY-do-not-share-4f1c"
+
+
+@pytest.fixture
+def secret(tmp_path):
+    p = tmp_path / "id_rsa"
+    p.write_text(SECRET + "\n")
+    return p
+
+
 def pytest_collection_modifyitems(config, items):
     """A test that gets an engine run through a fixture is an engine test (marked here, so that
     ``-m "not engine"`` is the fast suite without each file having to remember the marker)."""

@@ -5,10 +5,14 @@ they were. On a private copy of a committed DeepSpeed checkpoint, through the AP
 """
 
 import os
+import shutil
 
 import pytest
+import torch
 
-from helpers import leftovers, tree_digest
+from helpers import REPO, assert_refused, hf_ckpt, leftovers, load_safetensors, tree_digest
+
+from conftest import SECRET
 
 from hf_ckpt_integrations import api
 from hf_ckpt_integrations.errors import DestinationError
@@ -103,3 +107,149 @@ def test_overwrite_replaces_an_earlier_export_whole(committed_zero2, tmp_path):
     assert not (dst / "stale.safetensors").exists()
     assert api.verify_checkpoint(dst, src).ok
     assert tree_digest(committed_zero2) == before and leftovers(tmp_path) == []
+
+
+TAG = "global_step2"
+
+
+def test_destination_exists(z2, tmp_path):
+    src, config = z2
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    r = hf_ckpt("export", src, dst, "--config", config)
+    assert r.returncode == 2 and "already exists" in r.stderr and "--overwrite" in r.stderr
+    assert (dst / "keep.txt").read_text() == "mine"
+    r = hf_ckpt("export", src, dst, "--config", config, "--overwrite", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "model.safetensors"]
+
+
+# ---------------------------------------------------------------- 1. data loss
+
+def _dst_cases(src):
+    """name -> (destination as passed, cwd): each one is the source, holds it, or lies inside it."""
+    link = src.parent / "link-to-src"
+    link.symlink_to(src)
+    return {"the source": (src, REPO), "its parent": (src.parent, REPO), "an ancestor": (src.parent.parent, REPO),
+            "an empty string (cwd holds the source)": ("", src.parent), "'.' inside the source": (".", src),
+            "a link to the source": (link, REPO), "inside the source": (src / "hf", REPO),
+            "inside its tag dir": (src / TAG / "hf", REPO)}
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_destination_that_is_holds_or_lies_in_the_source_is_refused(z2_trainer, overwrite):
+    """Today ``export SRC SRC --overwrite`` (or SRC's parent, or "" from an unset variable) swapped
+    the source out and deleted it. Every spelling is refused before anything is written."""
+    cases = _dst_cases(z2_trainer)
+    before, listing = tree_digest(z2_trainer), sorted(os.listdir(z2_trainer.parent))
+    for name, (dst, cwd) in cases.items():
+        r = hf_ckpt("export", z2_trainer, dst, "--quiet", *overwrite, cwd=cwd)
+        line = assert_refused(r)
+        assert "source" in line or "empty path" in line, (name, line)
+        assert tree_digest(z2_trainer) == before and sorted(os.listdir(z2_trainer.parent)) == listing, name
+        assert leftovers(z2_trainer.parent) == [] and leftovers(z2_trainer) == [], name
+    assert hf_ckpt("verify", _export_ok(z2_trainer, z2_trainer.parent.parent / "ok"), "--against", z2_trainer).returncode == 0
+
+
+def _export_ok(src, dst, *extra):
+    r = hf_ckpt("export", src, dst, "--quiet", *extra)
+    assert r.returncode == 0, r.stderr
+    return dst
+
+
+def test_config_dir_as_destination_is_refused(z2_trainer, engine_ckpt, tmp_path):
+    config = tmp_path / "config"
+    shutil.copytree(engine_ckpt("z2-fp32") / "config", config)
+    before = tree_digest(config)
+    assert_refused(hf_ckpt("export", z2_trainer, config, "--config", config, "--overwrite"), match="config directory")
+    assert tree_digest(config) == before
+
+
+def test_api_and_parallel_writer_refuse_the_source_too(z2_trainer, monkeypatch):
+    """The check lives in the writer's Staging, so every path gets it, not only the CLI."""
+    from hf_ckpt_integrations import export_checkpoint
+    from hf_ckpt_integrations.errors import DestinationError
+    from hf_ckpt_integrations.parallel import write_plan_parallel
+    from hf_ckpt_integrations.sources import build_plan
+
+    before = tree_digest(z2_trainer)
+    with pytest.raises(DestinationError, match="is the source"):
+        export_checkpoint(z2_trainer, z2_trainer, overwrite=True)
+    for var, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(DestinationError, match="contains the source"):
+        write_plan_parallel(build_plan(z2_trainer), z2_trainer.parent, overwrite=True, quiet=True)
+    assert tree_digest(z2_trainer) == before
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_overwrite_replaces_only_an_export(z2_trainer, tmp_path):
+    """--overwrite on a directory holding a subdirectory (a save dir, a home, a project) is refused."""
+    dst = tmp_path / "project"
+    (dst / "src").mkdir(parents=True)
+    (dst / "src" / "train.py").write_text("print('mine')\n")
+    before = tree_digest(dst)
+    line = assert_refused(hf_ckpt("export", z2_trainer, dst, "--overwrite"), match="holds a subdirectory")
+    assert "--overwrite replaces only an export" in line
+    assert tree_digest(dst) == before and leftovers(tmp_path) == []
+
+
+def test_destination_symlink_is_resolved_and_nothing_stale_is_left(z2_trainer, tmp_path):
+    """A destination that is a link to an earlier export: the export replaces the link's target,
+    the link stays a link, and no temp entry is left next to either (today the swapped-out link
+    was left behind as ``.link.hfckpt-tmp-PID``)."""
+    real = _export_ok(z2_trainer, tmp_path / "exports" / "v1", "--dtype", "bf16")
+    link = tmp_path / "current"
+    link.symlink_to(real)
+    _export_ok(z2_trainer, link, "--overwrite")
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert load_safetensors(real / "model.safetensors")["lm_head.weight"].dtype == torch.float32
+    assert leftovers(tmp_path) == [] and leftovers(real.parent) == []
+
+
+def test_stale_sibling_removal_touches_only_what_a_writer_makes(z2_trainer, tmp_path):
+    """Under the lock, ``.<dst>.hfckpt-tmp-*`` siblings are removed only when they are files, links
+    (the link, never its target) or flat directories; anything else stays."""
+    dst = tmp_path / "out"
+    keep = tmp_path / ".out.hfckpt-tmp-1" / "nested"
+    keep.mkdir(parents=True)
+    (keep / "precious.txt").write_text("keep me")
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "file").write_text("keep me too")
+    (tmp_path / ".out.hfckpt-tmp-2").symlink_to(target)
+    flat = tmp_path / ".out.hfckpt-tmp-3"
+    flat.mkdir()
+    (flat / "model.safetensors").write_bytes(b"partial")
+    _export_ok(z2_trainer, dst)
+    assert (keep / "precious.txt").read_text() == "keep me"
+    assert (target / "file").read_text() == "keep me too"
+    assert not os.path.lexists(tmp_path / ".out.hfckpt-tmp-2") and not flat.exists()
+
+
+# ---------------------------------------------------------------- 6. exfiltration
+
+def test_config_files_linked_out_of_the_tree_are_not_copied(z2_trainer, tmp_path, secret):
+    """A ``tokenizer.json`` linked to a private key was copied into the export (which users upload).
+    Now it is skipped with one ``warning:`` line; a link that stays inside the tree is copied."""
+    (z2_trainer / "tokenizer.json").symlink_to(secret)
+    (z2_trainer / "vocab").mkdir()
+    (z2_trainer / "vocab" / "merges.txt").write_text("a b\n")
+    (z2_trainer / "merges.txt").symlink_to(z2_trainer / "vocab" / "merges.txt")
+    dst = tmp_path / "out"
+    r = hf_ckpt("export", z2_trainer, dst, "--quiet")
+    assert r.returncode == 0, r.stderr
+    warnings = r.stderr.splitlines()
+    assert len(warnings) == 1 and warnings[0].startswith("warning: ") and "tokenizer.json" in warnings[0], r.stderr
+    assert not (dst / "tokenizer.json").exists()
+    assert (dst / "merges.txt").read_text() == "a b\n" and not (dst / "merges.txt").is_symlink()
+    assert all(SECRET.encode() not in p.read_bytes() for p in dst.iterdir())
