@@ -58,6 +58,16 @@ def test_destination_that_is_holds_or_lies_in_the_source(committed_zero2, overwr
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
+def test_source_named_through_a_link_is_still_the_source(committed_zero2, overwrite):
+    """Paths are compared resolved on both sides: the real source as destination, the source read
+    through a link to it."""
+    real, link = committed_zero2 / "ckpt", committed_zero2.parent / "via-link"
+    link.symlink_to(real)
+    err = _refused(link, real, overwrite=overwrite, watch=committed_zero2)
+    assert _reason(err, real).startswith("is the source"), str(err)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
 def test_config_directory_as_destination(committed_zero2, tmp_path, overwrite):
     cfg = tmp_path / "cfg"
     cfg.mkdir()
