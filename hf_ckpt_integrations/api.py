@@ -20,7 +20,12 @@ def inspect_checkpoint(src, *, tag: Optional[str] = None, config: Optional[str] 
     Reads metadata only. Raises :class:`~hf_ckpt_integrations.errors.CheckpointError` for a
     checkpoint that cannot be exported.
     """
-    return sources.build_plan(src, tag=tag, config=config, tp_rules=tp_rules).summary()
+    from .sources.fp32_modules import keep_fp32_of_config
+
+    plan = sources.build_plan(src, tag=tag, config=config, tp_rules=tp_rules)
+    if plan.adapter is None:  # which tensors a bf16/fp16 export keeps in fp32, and why
+        plan.keep_fp32 = keep_fp32_of_config(plan.config_dir)
+    return plan.summary()
 
 
 def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[str] = None,

@@ -213,7 +213,13 @@ def plan_tensors(plan: ExportPlan, dtype: Optional[str], files: MappedFiles, *, 
     bytes come as :class:`~.assemble.FileRange` (only :func:`write_shard` consumes those)."""
     if (dtype is not None and dtype_from_name(dtype) != plan.out_dtype) or any(t.out_dtype is None
                                                                               for t in plan.tensors):
-        decide_dtypes(plan, dtype)  # a plan built for another dtype (or by hand): decided here, once
+        # A plan built for another dtype (or by hand): decided here, once, by the same rule.
+        keep = plan.keep_fp32
+        if keep is None and plan.adapter is None and dtype_from_name(dtype) in ("F16", "BF16"):
+            from .sources.fp32_modules import keep_fp32_of_config
+
+            keep = keep_fp32_of_config(plan.config_dir)
+        decide_dtypes(plan, dtype, keep)
     out = []
     for t in plan.tensors:
         d = t.out_dtype

@@ -31,7 +31,7 @@ from ..errors import LayoutError
 from ..formats.config import transformers_major  # re-exported: the hooks and tests ask here
 
 __all__ = ["HubTensor", "meta_model", "transformers_major", "hub_layout", "describe_conversions", "convert_plan",
-           "live_layout",
+           "live_layout", "cache_path",
            "tied_renames"]
 
 
@@ -249,6 +249,15 @@ def _layout_cache_path(cfg: dict, shapes: Dict[str, Tuple[int, ...]], aliases: D
     kept: ``$HF_CKPT_CACHE``, else ``$XDG_CACHE_HOME`` or ``~/.cache``, ``/hf_ckpt_integrations/hub-layout``.
     Deriving it imports torch and transformers (seconds, hundreds of MB); every checkpoint-N of a run asks
     the same question. None where no cache directory can be named."""
+    return cache_path("hub-layout", [_LAYOUT_CACHE_FORMAT, cfg, [[n, list(s)] for n, s in shapes.items()],
+                                     sorted(aliases.items())])
+
+
+def cache_path(kind: str, key) -> Optional[str]:
+    """The cache file of an answer transformers gave (``kind``: ``"hub-layout"``, ``"keep-fp32"``) for
+    the JSON-able ``key``, under ``$HF_CKPT_CACHE``, else ``$XDG_CACHE_HOME`` or ``~/.cache``,
+    ``/hf_ckpt_integrations``; keyed by this package's and transformers' versions too. None where no
+    cache directory can be named."""
     import hashlib
     import importlib.metadata as md
     import json
@@ -260,10 +269,8 @@ def _layout_cache_path(cfg: dict, shapes: Dict[str, Tuple[int, ...]], aliases: D
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "hf_ckpt_integrations")
     if not os.path.isabs(root):
         return None
-    key = json.dumps([_LAYOUT_CACHE_FORMAT, __version__, md.version("transformers"), cfg,
-                      [[n, list(s)] for n, s in shapes.items()], sorted(aliases.items())],
-                     sort_keys=True, default=str)
-    return os.path.join(root, "hub-layout", hashlib.sha256(key.encode()).hexdigest() + ".json")
+    text = json.dumps([__version__, md.version("transformers"), key], sort_keys=True, default=str)
+    return os.path.join(root, kind, hashlib.sha256(text.encode()).hexdigest() + ".json")
 
 
 def _read_cached(path: Optional[str], shapes, aliases) -> Optional[dict]:

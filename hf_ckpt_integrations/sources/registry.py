@@ -17,7 +17,8 @@ A **source** is a module of this package (``sources/<name>.py``) exposing:
 :func:`build_plan` asks the sources of :data:`SOURCES` in order and runs the shared passes on
 the plan of the first that claims the path: config discovery, the PEFT adapter pass
 (:mod:`.peft`: a checkpoint of a ``PeftModel`` becomes its adapter directory), tied aliases, the
-Hub-layout conversion, the output dtype decision and :func:`~..plan.check_plan`. Adding a source is one
+Hub-layout conversion, the output dtype decision (:mod:`..dtype_rule`, with the model class's
+fp32-kept modules for a 16-bit export) and :func:`~..plan.check_plan`. Adding a source is one
 module and one line in :data:`SOURCES` (docs/architecture.md, "Adding a source").
 """
 
@@ -25,9 +26,11 @@ import os
 from typing import Optional
 
 from ..errors import CheckpointError
+from ..formats.dtypes import from_user
 from ..formats.names import CONFIG_NAME
 from ..plan import ExportPlan, check_plan, decide_dtypes
 from . import dcp, deepspeed, hf_dir, hub_layout, peft, universal
+from .fp32_modules import keep_fp32_of_config
 from .passes import drop_tied_aliases, find_config_dir, tie_embeddings
 
 __all__ = ["SOURCES", "find_source", "plan_with"]
@@ -73,6 +76,8 @@ def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[s
             tie_embeddings(plan)
         drop_tied_aliases(plan)
         hub_layout.convert_plan(plan)
+    if plan.adapter is None and from_user(dtype) in ("F16", "BF16"):  # only a 16-bit load keeps modules in fp32
+        plan.keep_fp32 = keep_fp32_of_config(config_dir)
     decide_dtypes(plan, dtype)
     check_plan(plan)
     return plan

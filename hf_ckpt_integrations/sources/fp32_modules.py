@@ -1,0 +1,85 @@
+"""The fp32-kept modules of the model class a ``config.json`` names (the input of :mod:`..dtype_rule`).
+
+The lists are those of the model ``from_pretrained`` would build: the class ``architectures``
+names (else the first Auto class mapping the config), built on the meta device by
+:func:`~.hub_layout.meta_model` — code named by ``auto_map`` is never imported — and read from the
+instance, since transformers 5's ``post_init`` gathers the children's lists (a vision-language
+model keeps its text model's). The answer is cached per (transformers release, config), as the
+Hub-layout answer is (:func:`~.hub_layout.cache_path`): an export of every ``checkpoint-N`` of a
+run builds the model once.
+"""
+
+import json
+import os
+import tempfile
+from typing import Optional
+
+from ..dtype_rule import KeepFp32, keep_fp32_of_model, match_style
+from ..formats.config import transformers_major
+
+__all__ = ["keep_fp32_of_config"]
+
+_FORMAT = 1  # bump when what an entry holds changes
+
+
+def keep_fp32_of_config(config_dir: Optional[str]) -> Optional[KeepFp32]:
+    """The fp32-kept modules of the model ``config_dir/config.json`` describes; None without a
+    config, without transformers, or for a model the installed transformers cannot build (nothing
+    is then known to be kept: every tensor follows the requested dtype)."""
+    if config_dir is None or transformers_major() is None:
+        return None
+    from ..guards import read_config
+    from .hub_layout import cache_path
+
+    cfg = read_config(config_dir)
+    path = cache_path("keep-fp32", [_FORMAT, cfg])
+    entry = _read(path)
+    if entry is None:
+        entry = _derive(config_dir)
+        _write(path, entry)
+    if entry["model_class"] is None:
+        return None
+    return KeepFp32(tuple(entry["modules"]), tuple(entry["strict"]), match_style(transformers_major()),
+                    entry["model_class"])
+
+
+def _derive(config_dir: str) -> dict:
+    from .hub_layout import meta_model
+
+    try:
+        model = meta_model(config_dir)
+    except Exception:  # a config this transformers rejects: the Hub-layout pass names the problem
+        model = None
+    keep = keep_fp32_of_model(model) if model is not None else None
+    if keep is None:
+        return {"model_class": None, "modules": [], "strict": []}
+    return {"model_class": keep.model_class, "modules": list(keep.modules), "strict": list(keep.strict)}
+
+
+def _read(path: Optional[str]) -> Optional[dict]:
+    """A cache entry exactly as :func:`_derive` writes it, else None (derived again)."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            entry = json.loads(fh.read(1 << 20))
+        ok = (isinstance(entry, dict) and set(entry) == {"model_class", "modules", "strict"}
+              and (entry["model_class"] is None or isinstance(entry["model_class"], str))
+              and all(isinstance(entry[k], list) and all(isinstance(m, str) for m in entry[k])
+                      for k in ("modules", "strict")))
+        return entry if ok else None
+    except (OSError, ValueError):
+        return None
+
+
+def _write(path: Optional[str], entry: dict) -> None:
+    if path is None:
+        return
+    try:  # best effort: a read-only home only costs the next export the meta build
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(entry, fh)
+        os.replace(tmp, path)
+    except OSError:
+        pass
