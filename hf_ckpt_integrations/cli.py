@@ -140,7 +140,9 @@ def export_command_parser(subparsers=None):
     p.add_argument("--tag", help="tag to read (default: the one named by 'latest')")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
                    help="output dtype of floating tensors (default: fp32 masters when the checkpoint has them)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB or 500MB (default 5GB)")
+    p.add_argument("--max-shard-size", default=None,
+                   help="largest shard, e.g. 5GB or 500MB (default: the installed transformers' save_pretrained "
+                        "default, read from its signature: 50GB on transformers 5, 5GB on 4.x)")
     p.add_argument("--config", help="directory holding config.json/tokenizer files to copy "
                    "(default: next to the checkpoint)")
     _tp_rule_arg(p)

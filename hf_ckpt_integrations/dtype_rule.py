@@ -27,7 +27,7 @@ from typing import Optional, Tuple
 
 from .formats.dtypes import FLOATS, from_user
 
-__all__ = ["KeepFp32", "request", "output_dtype", "kept_reason", "keep_fp32_of_model", "match_style"]
+__all__ = ["KeepFp32", "request", "output_dtype", "kept_reason", "keep_fp32_of_model", "match_style", "trained_dtype"]
 
 
 @dataclass(frozen=True)
@@ -109,9 +109,32 @@ def keep_fp32_of_model(model) -> Optional[KeepFp32]:
     transformers 5's ``post_init`` gathers from the children); None for any other module."""
     from .formats.config import model_class_name, transformers_major
 
-    modules = getattr(model, "_keep_in_fp32_modules", None)
+    if not hasattr(model, "_keep_in_fp32_modules") and not hasattr(model, "_keep_in_fp32_modules_strict"):
+        return None  # not a transformers model: nothing is known to be kept
+    modules = getattr(model, "_keep_in_fp32_modules", None)  # None on a class that keeps none
     strict = getattr(model, "_keep_in_fp32_modules_strict", None)
-    if modules is None and strict is None:
-        return None
     return KeepFp32(tuple(sorted(modules or ())), tuple(sorted(strict or ())), match_style(transformers_major()),
                     model_class_name(model))
+
+
+def trained_dtype(model) -> Optional[str]:
+    """``"fp32"``/``"bf16"``/``"fp16"``: the dtype ``model`` trains in — the one dtype of its floating
+    parameters, not counting fp32 ones its class keeps in fp32 for the others' dtype (a DeepSeek-V3
+    loaded in bf16 holds its router in fp32); None when mixed otherwise, or no model."""
+    from .formats.dtypes import from_torch, to_user
+
+    if model is None:
+        return None
+    seen = {}
+    for name, p in model.named_parameters():
+        if p.is_floating_point():
+            try:
+                seen.setdefault(from_torch(p.dtype), []).append(name)
+            except ValueError:  # float8 & co: not a dtype written here
+                return None
+    if len(seen) == 2 and "F32" in seen:
+        other = next(d for d in seen if d != "F32")
+        keep = keep_fp32_of_model(model)
+        if all(kept_reason(n, other, keep) for n in seen["F32"]):
+            return to_user(other)
+    return to_user(next(iter(seen))) if len(seen) == 1 else None

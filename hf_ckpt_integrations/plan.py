@@ -303,9 +303,9 @@ class ExportPlan:
             if when and t.src_dtype in FLOATS:
                 masters = t.src_dtype == "F32" or (t.module_check is not None and not t.replicas and
                                                    all(p.dtype == "F32" for part in t.module_check[0] for p in part))
+                stored = "fp32 masters" if t.kind == "master" or t.src_dtype != "F32" else "fp32 as stored"
                 tensors.append({"name": t.name, "when": when, "why": kept_reason(name, "F16", keep),
-                                "from": ("fp32 masters" if t.kind == "master" or t.src_dtype != "F32" else "fp32 as stored")
-                                if masters else f"upcast from {t.src_dtype}"})
+                                "from": stored if masters else f"upcast from {t.src_dtype}"})
         return {"model_class": keep.model_class, "_keep_in_fp32_modules": list(keep.modules),
                 "_keep_in_fp32_modules_strict": list(keep.strict), "tensors": tensors}
 
@@ -373,8 +373,9 @@ def decide_dtypes(plan: ExportPlan, dtype: Optional[str] = None, keep=None) -> E
             upcast.append(t.name)
     plan.notes = [n for n in plan.notes if not n.startswith(_UPCAST_NOTE)]
     if upcast:
+        more = f" and {len(upcast) - 5} more" if len(upcast) > 5 else ""
         plan.notes.append(f"{_UPCAST_NOTE} from their 16-bit copy (the checkpoint holds no fp32 master of "
-                          f"them): {', '.join(upcast[:5])}" + (f" and {len(upcast) - 5} more" if len(upcast) > 5 else ""))
+                          f"them): {', '.join(upcast[:5])}{more}")
     return plan
 
 

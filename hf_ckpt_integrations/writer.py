@@ -61,8 +61,13 @@ class OutTensor:
 
 
 def check_max_shard_size(max_shard_size) -> int:
-    """``max_shard_size`` ("5GB", "500MB" or a byte count) in bytes; :class:`~.errors.OptionError` otherwise."""
+    """``max_shard_size`` ("5GB", "500MB" or a byte count; None: the installed transformers'
+    ``save_pretrained`` default, :func:`~.formats.names.default_max_shard_size`) in bytes;
+    :class:`~.errors.OptionError` otherwise."""
     from huggingface_hub.serialization._base import parse_size_to_int
+
+    if max_shard_size is None:
+        max_shard_size = names.default_max_shard_size()
 
     try:
         size = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
