@@ -244,3 +244,21 @@ def test_default_shard_size_is_the_installed_save_pretrained_default():
     assert check_max_shard_size(None) == parse_size_to_int(default)
     assert export_command_parser().parse_args(["a", "b"]).max_shard_size is None
     assert "save_pretrained" in export_command_parser().format_help()
+
+
+@pytest.mark.engine
+def test_trainer_callback_under_bf16_zero2_keeps_the_routers_as_fp32_masters(engine_ckpt):
+    """A tiny DeepSeek-V3 trained in bf16 under ZeRO-2 with the callback at its default dtype (the
+    training dtype): checkpoint-2/ equals from_pretrained(masters, dtype=bf16).save_pretrained() —
+    the routers fp32 and bitwise the engine's fp32 masters, where the Trainer's own bf16 save and the
+    16-bit module weights the copy path reads hold them in bf16."""
+    if not hasattr(__import__("transformers"), "DeepseekV3ForCausalLM"):
+        pytest.skip("no DeepSeek-V3 in this transformers")
+    case = engine_ckpt("fam-cb-deepseek_v3-z2-bf16")
+    ckpt = case / "run" / "checkpoint-2"
+    _assert_same(ckpt, case / "reference" / "hf-bf16")
+    got, masters = _tensors(ckpt), _tensors(case / "reference" / "hf")
+    kept = {n for n, (d, _) in got.items() if d == "torch.float32"}
+    if (transformers_major() or 0) >= 5:  # 4.51's DeepSeek-V3 keeps nothing in fp32
+        assert {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"} <= kept
+    assert all(got[n][1] == masters[n][1] for n in kept)
