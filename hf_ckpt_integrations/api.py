@@ -35,7 +35,10 @@ def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[st
     """Export ``src`` (any source the registry reads: DeepSpeed save dir, tag dir, Trainer
     ``checkpoint-N``, universal checkpoint, HF directory) to an HF directory ``dst``.
 
-    ``dtype``: ``"fp32"`` (default when the checkpoint has fp32 masters), ``"bf16"`` or ``"fp16"``.
+    ``dtype``: ``"fp32"`` (default when the checkpoint has fp32 masters), ``"bf16"`` or ``"fp16"``;
+    the modules the model class keeps in fp32 stay fp32, as ``from_pretrained(dtype=...)`` keeps them
+    (docs/dtypes.md). ``max_shard_size``: None (default) is the installed transformers'
+    ``save_pretrained`` default, read from its signature (50GB on transformers 5, 5GB on 4.x).
     ``tp_rules``: ``["PATTERN=0|1|replicated", ...]`` for model-parallel parameters nothing else
     describes. ``workers``: shards written at once from a thread pool. Under ``torchrun`` (``WORLD_SIZE``
     > 1) every rank calls it and the ranks split the shards. Options are checked before the
