@@ -68,7 +68,6 @@ def check_max_shard_size(max_shard_size) -> int:
 
     if max_shard_size is None:
         max_shard_size = names.default_max_shard_size()
-
     try:
         size = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     except ValueError:
@@ -218,13 +217,10 @@ def plan_tensors(plan: ExportPlan, dtype: Optional[str], files: MappedFiles, *, 
     bytes come as :class:`~.assemble.FileRange` (only :func:`write_shard` consumes those)."""
     if (dtype is not None and dtype_from_name(dtype) != plan.out_dtype) or any(t.out_dtype is None
                                                                               for t in plan.tensors):
-        # A plan built for another dtype (or by hand): decided here, once, by the same rule.
-        keep = plan.keep_fp32
-        if keep is None and plan.adapter is None and dtype_from_name(dtype) in ("F16", "BF16"):
-            from .sources.fp32_modules import keep_fp32_of_config
+        from .sources.fp32_modules import keep_for_plan
 
-            keep = keep_fp32_of_config(plan.config_dir)
-        decide_dtypes(plan, dtype, keep)
+        # A plan built for another dtype (or by hand): decided here, once, by the same rule.
+        decide_dtypes(plan, dtype, keep_for_plan(plan, dtype))
     out = []
     for t in plan.tensors:
         d = t.out_dtype

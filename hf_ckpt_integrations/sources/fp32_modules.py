@@ -17,7 +17,7 @@ from typing import Optional
 from ..dtype_rule import KeepFp32, keep_fp32_of_model, match_style
 from ..formats.config import transformers_major
 
-__all__ = ["keep_fp32_of_config"]
+__all__ = ["keep_fp32_of_config", "keep_for_plan"]
 
 _FORMAT = 1  # bump when what an entry holds changes
 
@@ -41,6 +41,17 @@ def keep_fp32_of_config(config_dir: Optional[str]) -> Optional[KeepFp32]:
         return None
     return KeepFp32(tuple(entry["modules"]), tuple(entry["strict"]), match_style(transformers_major()),
                     entry["model_class"])
+
+
+def keep_for_plan(plan, dtype: Optional[str]) -> Optional[KeepFp32]:
+    """The lists an export of ``plan`` in ``dtype`` needs: those already on the plan, else, when a
+    load in ``dtype`` keeps any module in fp32 (bf16/fp16) and the plan is a model (not a PEFT
+    adapter, which peft saves as trained), those of its config's class; else None (nothing to read)."""
+    from ..formats.dtypes import from_user
+
+    if plan.keep_fp32 is not None or plan.adapter is not None or from_user(dtype) not in ("F16", "BF16"):
+        return plan.keep_fp32
+    return keep_fp32_of_config(plan.config_dir)
 
 
 def _derive(config_dir: str) -> dict:

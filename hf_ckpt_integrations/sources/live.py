@@ -90,7 +90,8 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> List[Te
     Each is a :class:`~..plan.TensorPlan` (kind ``"live"``) with one :class:`~..plan.LivePiece`.
     ``dtype``: ``None`` keeps each tensor's training dtype; ``"fp32"``/``"bf16"``/``"fp16"`` casts
     floating tensors (one tensor at a time), except those the model class keeps in fp32 for that
-    dtype (:mod:`..dtype_rule`; upcast from what the live model holds). Every rank must call it and get the same list.
+    dtype (:mod:`..dtype_rule`; upcast from what the live model holds). Every rank must call it and
+    get the same list.
     Raises :class:`~..errors.LayoutError` where transformers' save-time conversion is not a split
     along the leading dims.
 

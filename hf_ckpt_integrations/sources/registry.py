@@ -26,11 +26,10 @@ import os
 from typing import Optional
 
 from ..errors import CheckpointError
-from ..formats.dtypes import from_user
 from ..formats.names import CONFIG_NAME
 from ..plan import ExportPlan, check_plan, decide_dtypes
 from . import dcp, deepspeed, hf_dir, hub_layout, peft, universal
-from .fp32_modules import keep_fp32_of_config
+from .fp32_modules import keep_for_plan
 from .passes import drop_tied_aliases, find_config_dir, tie_embeddings
 
 __all__ = ["SOURCES", "find_source", "plan_with"]
@@ -76,8 +75,6 @@ def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[s
             tie_embeddings(plan)
         drop_tied_aliases(plan)
         hub_layout.convert_plan(plan)
-    if plan.adapter is None and from_user(dtype) in ("F16", "BF16"):  # only a 16-bit load keeps modules in fp32
-        plan.keep_fp32 = keep_fp32_of_config(config_dir)
-    decide_dtypes(plan, dtype)
+    decide_dtypes(plan, dtype, keep_for_plan(plan, dtype))
     check_plan(plan)
     return plan
