@@ -69,16 +69,55 @@ def split_shards(items: Dict[str, object], get_size: Callable[[object], int], *,
 def default_max_shard_size():
     """``save_pretrained``'s default ``max_shard_size`` in the installed transformers, read from its
     signature (transformers 5: ``"50GB"``, 4.x: ``"5GB"``); without transformers,
-    ``huggingface_hub``'s own default (what its ``save_torch_state_dict`` uses)."""
-    import inspect
+    ``huggingface_hub``'s own default (what its ``save_torch_state_dict`` uses).
 
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
+    The signature is read from the source of ``modeling_utils.py`` (the literal default of
+    ``PreTrainedModel.save_pretrained``): importing transformers imports torch, seconds and hundreds
+    of MB that an export served from the Hub-layout cache never needs. Where the source cannot be
+    read that way, ``inspect.signature`` of the imported method answers."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
         from huggingface_hub.serialization._base import MAX_SHARD_SIZE as HUB_DEFAULT
 
         return HUB_DEFAULT
+    found = _literal_default(os.path.join(list(spec.submodule_search_locations)[0], "modeling_utils.py"),
+                             "PreTrainedModel", "save_pretrained", "max_shard_size")
+    if found is not None:
+        return found
+    import inspect
+
+    from transformers import PreTrainedModel
+
     return inspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
+
+
+def _literal_default(path: str, cls: str, method: str, arg: str):
+    """The default of ``arg`` in ``cls.method`` as written in the Python file ``path``, when it is a
+    literal; None otherwise."""
+    import ast
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for fn in node.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == method:
+                    args = fn.args
+                    positional = args.posonlyargs + args.args
+                    pairs = list(zip(positional[len(positional) - len(args.defaults):], args.defaults))
+                    pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+                    for a, d in pairs:
+                        if a.arg == arg:
+                            try:
+                                return ast.literal_eval(d)
+                            except ValueError:
+                                return None
+    return None
 
 
 def write_index(directory, weight_map: Dict[str, str], *, total_size: int, total_parameters: Optional[int] = None,
