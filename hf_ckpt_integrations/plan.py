@@ -347,9 +347,34 @@ class ExportPlan:
     # A PEFT adapter (sources/peft.py): what `inspect` shows of adapter_config.json; the export is
     # then the adapter directory PeftModel.save_pretrained writes.
     adapter: Optional[dict] = None
+    # The model class's fp32-kept modules (:class:`~.dtype_rule.KeepFp32`), read from the config
+    # when a 16-bit export or ``inspect`` needs them; None: nothing known to be kept.
+    keep_fp32: Optional[object] = None
 
     def tensor_bytes(self, out_dtype: Optional[str] = None) -> int:
         return sum(t.numel * SIZES[out_dtype or t.src_dtype] for t in self.tensors)
+
+    def kept_fp32(self) -> Optional[dict]:
+        """What ``inspect`` shows of the fp32-kept modules: the class and its lists, and per tensor
+        kept in a 16-bit export, when (``["bf16", "fp16"]`` or ``["fp16"]``), why (the list entry)
+        and from what (the fp32 masters, or an upcast of the 16-bit copy). None when not known."""
+        from .dtype_rule import kept_reason
+
+        keep = self.keep_fp32
+        if keep is None:
+            return None
+        tensors = []
+        for t in self.tensors:
+            name = t.hub_source or t.name
+            when = [u for u, d in (("bf16", "BF16"), ("fp16", "F16")) if kept_reason(name, d, keep)]
+            if when and t.src_dtype in FLOATS:
+                masters = t.src_dtype == "F32" or (t.module_check is not None and not t.replicas and
+                                                   all(p.dtype == "F32" for part in t.module_check[0] for p in part))
+                stored = "fp32 masters" if t.kind == "master" or t.src_dtype != "F32" else "fp32 as stored"
+                tensors.append({"name": t.name, "when": when, "why": kept_reason(name, "F16", keep),
+                                "from": stored if masters else f"upcast from {t.src_dtype}"})
+        return {"model_class": keep.model_class, "_keep_in_fp32_modules": list(keep.modules),
+                "_keep_in_fp32_modules_strict": list(keep.strict), "tensors": tensors}
 
     def summary(self) -> dict:
         """A JSON-able description (what ``inspect --json`` prints)."""
@@ -379,6 +404,7 @@ class ExportPlan:
             "padding_removed": {k: list(v) for k, v in self.padding_removed.items()},
             "conversions": self.conversions,
             "adapter": self.adapter,
+            "keep_fp32": self.kept_fp32(),
             "tensors": [
                 {"name": t.name, "shape": list(t.shape), "dtype": t.src_dtype, "out_dtype": t.out_dtype,
                  "kind": t.kind,
@@ -391,19 +417,48 @@ class ExportPlan:
         }
 
 
-def decide_dtypes(plan: ExportPlan, dtype: Optional[str] = None) -> ExportPlan:
-    """Decide, once, the dtype every tensor of ``plan`` is written in: floating tensors take
-    ``dtype`` (``"fp32"``/``"bf16"``/``"fp16"``), by default the fp32 masters' dtype when the
-    checkpoint has them (every other float follows), else each tensor's stored dtype; integer
-    tensors never change. Sets ``plan.out_dtype`` and each ``TensorPlan.out_dtype``; returns ``plan``.
+def decide_dtypes(plan: ExportPlan, dtype: Optional[str] = None, keep=None) -> ExportPlan:
+    """Decide, once, the dtype every tensor of ``plan`` is written in, by the one rule
+    (:func:`~.dtype_rule.output_dtype`): floating tensors take ``dtype`` (``"fp32"``/``"bf16"``/
+    ``"fp16"``), by default the fp32 masters' dtype when the checkpoint has them (every other float
+    follows), else each tensor's stored dtype; the model class's fp32-kept modules
+    (``keep``, default ``plan.keep_fp32``) stay fp32, matched on their in-memory names
+    (``hub_source``); integer tensors never change. A kept tensor comes from the fp32 masters where
+    the source had planned the 16-bit module copy (ZeRO-1/2), else it is upcast from what is stored
+    (a note says so). Sets ``plan.out_dtype`` and each ``TensorPlan.out_dtype``; returns ``plan``.
     Raises :class:`~.errors.OptionError` for an unknown ``dtype``."""
-    requested = dtype_from_name(dtype)
-    if requested is None and "F32" in plan.dtypes.values():
-        requested = "F32"  # default: the fp32 masters, and every other float in the same dtype
+    from .dtype_rule import output_dtype, request
+
+    if keep is not None:
+        plan.keep_fp32 = keep
+    requested = request(dtype, masters="F32" in plan.dtypes.values())
     plan.out_dtype = requested
+    upcast = []
     for t in plan.tensors:
-        t.out_dtype = requested if requested is not None and t.src_dtype in FLOATS else t.src_dtype
+        t.out_dtype = output_dtype(t.hub_source or t.name, t.src_dtype, requested, plan.keep_fp32)
+        if t.out_dtype == "F32" and requested != "F32" and t.src_dtype != "F32" and not _use_masters(t):
+            upcast.append(t.name)
+    plan.notes = [n for n in plan.notes if not n.startswith(_UPCAST_NOTE)]
+    if upcast:
+        more = f" and {len(upcast) - 5} more" if len(upcast) > 5 else ""
+        plan.notes.append(f"{_UPCAST_NOTE} from their 16-bit copy (the checkpoint holds no fp32 master of "
+                          f"them): {', '.join(upcast[:5])}{more}")
     return plan
+
+
+_UPCAST_NOTE = "kept in fp32 by the model class, upcast"
+
+
+def _use_masters(t: "TensorPlan") -> bool:
+    """Make a tensor the source planned from its 16-bit module copy (ZeRO-1/2 saves it whole) read
+    its fp32 masters instead (``module_check`` holds both, part by part); False when it has none."""
+    check = t.module_check
+    if t.kind != "module" or check is None or t.chunks is not None or t.replicas or len(check[0]) != len(t.parts) or \
+            any(p.dtype != "F32" for part in check[0] for p in part):
+        return False
+    t.parts = [list(part) for part in check[0]]
+    t.src_dtype, t.kind = "F32", "master"
+    return True
 
 
 def check_plan(plan: ExportPlan) -> None:

@@ -62,9 +62,13 @@ class OutTensor:
 
 
 def check_max_shard_size(max_shard_size) -> int:
-    """``max_shard_size`` ("5GB", "500MB" or a byte count) in bytes; :class:`~.errors.OptionError` otherwise."""
+    """``max_shard_size`` ("5GB", "500MB" or a byte count; None: the installed transformers'
+    ``save_pretrained`` default, :func:`~.formats.names.default_max_shard_size`) in bytes;
+    :class:`~.errors.OptionError` otherwise."""
     from huggingface_hub.serialization._base import parse_size_to_int
 
+    if max_shard_size is None:
+        max_shard_size = names.default_max_shard_size()
     try:
         size = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     except ValueError:
@@ -229,7 +233,10 @@ def plan_tensors(plan: ExportPlan, dtype: Optional[str], files: MappedFiles, *, 
     bytes come as :class:`~.assemble.FileRange` (only :func:`write_shard` consumes those)."""
     if (dtype is not None and dtype_from_name(dtype) != plan.out_dtype) or any(t.out_dtype is None
                                                                               for t in plan.tensors):
-        decide_dtypes(plan, dtype)  # a plan built for another dtype (or by hand): decided here, once
+        from .sources.fp32_modules import keep_for_plan
+
+        # A plan built for another dtype (or by hand): decided here, once, by the same rule.
+        decide_dtypes(plan, dtype, keep_for_plan(plan, dtype))
     out = []
     for t in plan.tensors:
         d = t.out_dtype

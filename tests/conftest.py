@@ -122,6 +122,8 @@ CASES = {
        for f in ("llama", "gpt2", "t5", "bert", "mixtral", "qwen2_moe", "llava")},
     "fam-mixtral-z2": ("family_train.py", 2, ["--family", "mixtral", "--stage", "2"]),
     "fam-cb-qwen2_moe-z3": ("family_trainer_cb.py", 2, ["--family", "qwen2_moe", "--stage", "3"]),
+    # bf16 ZeRO-2 Trainer + callback on a class that keeps its routers in fp32 (tests/test_output_dtypes.py).
+    "fam-cb-deepseek_v3-z2-bf16": ("family_trainer_cb.py", 2, ["--family", "deepseek_v3", "--stage", "2", "--bf16"]),
     # torch DCP under FSDP2 (tests/test_dcp.py): plain fully_shard + dcp.save (vocab 1001 over 2 ranks),
     # Accelerate save_state, the Trainer's checkpoint-N.
     **{f"fsdp2-{m}": ("fsdp_train.py", 2, ["--mode", m]) for m in ("plain", "accelerate", "trainer")},

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..errors import LayoutError
 
 from ..formats.config import transformers_major  # re-exported: the hooks and tests ask here
+from .answer_cache import cache_key, read_answer, write_answer
 
 __all__ = ["HubTensor", "meta_model", "transformers_major", "hub_layout", "describe_conversions", "convert_plan",
            "live_layout",
@@ -242,92 +243,21 @@ def _model_for(config_dir: str, model_type: Optional[str]):
 
 # Bump when what a cache entry holds (or how it is derived) changes.
 _LAYOUT_CACHE_FORMAT = 2
-_CACHE_ENTRY_LIMIT = 64 * 2**20
 
 
 def _layout_cache_key(cfg: dict, shapes: Dict[str, Tuple[int, ...]], aliases: Dict[str, str]) -> str:
-    """SHA-256 of everything the answer depends on: the cache format, hf-ckpt's and transformers'
-    releases, the config, the names and shapes, the tied names."""
-    import hashlib
-    import importlib.metadata as md
-    import json
-
-    from .. import __version__
-
-    key = json.dumps([_LAYOUT_CACHE_FORMAT, __version__, md.version("transformers"), cfg,
-                      [[n, list(s)] for n, s in shapes.items()], sorted(aliases.items())],
-                     sort_keys=True, default=str)
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def _entry_digest(key: str, answer: dict) -> str:
-    import hashlib
-    import json
-
-    return hashlib.sha256((key + json.dumps(answer, sort_keys=True)).encode()).hexdigest()
-
-
-def _layout_cache_dir(create: bool) -> Optional[int]:
-    """An open descriptor of the cache directory: ``$HF_CKPT_CACHE``, else ``$XDG_CACHE_HOME`` or
-    ``~/.cache``, ``/hf_ckpt_integrations/hub-layout``; None (derive, do not cache) unless it and its
-    parent are real directories (not symlinks) owned by this user and writable by no one else: anyone
-    who can write an entry there could choose the names an export writes.
-
-    Deriving a layout imports torch and transformers (seconds, hundreds of MB); every checkpoint-N of
-    a run asks the same question."""
-    import os
-    import stat
-
-    root = os.environ.get("HF_CKPT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "hf_ckpt_integrations")
-    if not os.path.isabs(root):
-        return None
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    fd = None
-    try:
-        if create:
-            os.makedirs(os.path.join(root, "hub-layout"), mode=0o700, exist_ok=True)
-        for i, part in enumerate((root, "hub-layout")):
-            new = os.open(part, flags) if i == 0 else os.open(part, flags, dir_fd=fd)
-            if fd is not None:
-                os.close(fd)
-            fd = new
-            st = os.fstat(fd)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-                os.close(fd)
-                return None
-        return fd
-    except OSError:
-        if fd is not None:
-            os.close(fd)
-        return None
+    """Everything the answer depends on: the cache format, the config, the names and shapes, the tied
+    names (:func:`~.answer_cache.cache_key` adds the releases)."""
+    return cache_key("hub-layout", [_LAYOUT_CACHE_FORMAT, cfg, [[n, list(s)] for n, s in shapes.items()],
+                                    sorted(aliases.items())])
 
 
 def _read_cached(key: str, shapes, aliases) -> Optional[dict]:
-    """The answer cached under ``key``, or None (then it is derived again) when the directory is not
-    ours (:func:`_layout_cache_dir`), or the entry is absent, not a regular file of ours readable by
-    us alone (a FIFO is never waited on), unreadable, malformed in any way (deep nesting included),
-    written for other inputs, or not exactly what :func:`_derive` writes. A bad entry is a miss,
-    never an error: the cache is a speed-up, never an authority."""
-    import json
-    import os
-    import stat
-
-    dfd = _layout_cache_dir(create=False)
-    if dfd is None:
-        return None
+    """The answer cached under ``key`` (:func:`~.answer_cache.read_answer`), or None (then it is
+    derived again) when absent, not ours, malformed in any way, or not exactly what :func:`_derive`
+    writes. A bad entry is a miss, never an error: the cache is a speed-up, never an authority."""
+    answer = read_answer("hub-layout", key)
     try:
-        fd = os.open(key + ".json", os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
-                     dir_fd=dfd)
-        with os.fdopen(fd, "rb") as fh:
-            st = os.fstat(fh.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 \
-                    or st.st_size > _CACHE_ENTRY_LIMIT:
-                return None
-            entry = json.loads(fh.read(_CACHE_ENTRY_LIMIT + 1))
-        answer = entry["answer"]
-        if entry["key"] != key or entry["digest"] != _entry_digest(key, answer):
-            return None
         renames, layout, note = answer["renames"], answer["layout"], answer["note"]
         ok = (isinstance(renames, dict) and all(k in shapes and isinstance(v, str) and aliases.get(v) == k
                                                 for k, v in renames.items())
@@ -340,38 +270,12 @@ def _read_cached(key: str, shapes, aliases) -> Optional[dict]:
             renamed = {renames.get(n, n): sh for n, sh in shapes.items()}
             _check_tiling([HubTensor(h[0], h[1], tuple(h[2]), h[3]) for h in layout], renamed, None)
         return answer if ok else None
-    except Exception:  # OSError, bad JSON, RecursionError, a wrong type anywhere, LayoutError: a miss
+    except Exception:  # None, a wrong type anywhere, LayoutError: a miss
         return None
-    finally:
-        os.close(dfd)
 
 
 def _write_cached(key: str, answer: dict) -> None:
-    """Store ``answer`` under ``key``: a new owner-only file (``O_EXCL``, never through a link), renamed
-    into place, in the directory :func:`_layout_cache_dir` accepts. Best effort: a read-only home, a
-    directory not ours or a full disk only cost the next export the derivation."""
-    import json
-    import os
-    import secrets
-
-    dfd = _layout_cache_dir(create=True)
-    if dfd is None:
-        return
-    tmp = f".{key}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
-    try:
-        data = json.dumps({"key": key, "answer": answer, "digest": _entry_digest(key, answer)}).encode()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600,
-                     dir_fd=dfd)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, key + ".json", src_dir_fd=dfd, dst_dir_fd=dfd)
-    except (OSError, TypeError, ValueError):
-        try:
-            os.unlink(tmp, dir_fd=dfd)
-        except OSError:
-            pass
-    finally:
-        os.close(dfd)
+    write_answer("hub-layout", key, answer)
 
 
 def _derive(config_dir: str, model_type, shapes: Dict[str, Tuple[int, ...]], aliases: Dict[str, str]) -> dict:
