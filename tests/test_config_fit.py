@@ -131,3 +131,26 @@ def test_a_swallowed_abort_still_refuses(llama, tmp_path):
                 except Exception:
                     pass
             raise ValueError("the builder's own error, after it swallowed the abort")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "t5", "bert", "mixtral", "qwen2_moe", "llava"])
+@pytest.mark.parametrize("holds", ["parameters", "state_dict"])
+def test_every_family_fits_its_own_config(family, holds, tmp_path):
+    """Nothing legitimate is refused: each family of the Hub-layout matrix (tied three ways in T5, a
+    tied bias in BERT, Conv1D in GPT-2, fused experts, a nested text_config) fits its config.json,
+    whether the checkpoint holds only the parameters (DeepSpeed: tied ones once, as aliases) or the
+    whole state dict (persistent buffers too)."""
+    import families
+
+    from hf_ckpt_integrations.sources.hub_layout import _derive
+
+    model = families.build(family)
+    model.config.save_pretrained(tmp_path)
+    params = dict(model.named_parameters())
+    aliases = {n: next(k for k, q in params.items() if q is p)
+               for n, p in model.named_parameters(remove_duplicate=False) if n not in params}
+    tensors = params if holds == "parameters" else model.state_dict()
+    shapes = {n: tuple(t.shape) for n, t in tensors.items() if n not in aliases}
+    _derive(str(tmp_path), model.config.model_type, shapes, aliases)  # raises when refused
+    with pytest.raises(Exception, match="does not have exactly the checkpoint's tensors"):
+        _derive(str(tmp_path), model.config.model_type, {**shapes, "extra.weight": (2,)}, aliases)
