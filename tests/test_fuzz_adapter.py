@@ -149,6 +149,10 @@ def _expected_scales(cfg, modules):
         conf = types.SimpleNamespace(**{k: cfg.get(k) for k in (
             "exclude_modules", "modules_to_save", "target_modules", "target_parameters", "layers_to_transform",
             "layers_pattern")})
+        if conf.target_modules is None:  # peft fills it from the model type at load
+            from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+            conf.target_modules = defaults["llama"]
         if isinstance(conf.target_modules, str) and conf.target_modules.lower() == "all-linear":
             # peft's _maybe_include_all_linear_layers: every Linear/Conv1D but the output layer
             conf.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
