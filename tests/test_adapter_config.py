@@ -233,3 +233,15 @@ def test_target_selection_equals_peft_check_target_module_exists():
             theirs = check_target_module_exists(cfg, m)
             theirs = bool(theirs) and type(theirs).__name__ != "_ExcludedModule"
             assert is_targeted(as_json, m, "adapter_config.json") == theirs, (extra, m)
+
+
+@pytest.mark.parametrize("targets", [None, "all-linear"])
+def test_layer_filter_applies_to_targets_peft_resolves(targets):
+    """target_modules null (peft fills it from the model type) or "all-linear" (peft expands it) become
+    a list of suffixes, and layers_to_transform still filters them (the fuzz found the filter skipped)."""
+    from hf_ckpt_integrations.sources.peft import is_targeted
+
+    cfg = {"target_modules": targets, "layers_to_transform": 0}
+    assert is_targeted(cfg, "model.layers.0.self_attn.q_proj", "adapter_config.json")
+    assert not is_targeted(cfg, "model.layers.1.self_attn.q_proj", "adapter_config.json")
+    assert is_targeted({"target_modules": targets}, "model.layers.1.self_attn.q_proj", "adapter_config.json")

@@ -154,7 +154,8 @@ def check_fits(model, shapes: Dict[str, Tuple[int, ...]], config_dir) -> None:
     for name, t in kept.items():
         if name in shapes:
             if tuple(shapes[name]) != tuple(t.shape):
-                problems.append(f"{name} is {_shape(shapes[name])} in the checkpoint but {_shape(t.shape)} in the model")
+                problems.append(f"{name} is {_shape(shapes[name])} in the checkpoint but {_shape(t.shape)} in the "
+                                "model")
         elif name not in optional and not missing_ok(name):
             problems.append(f"the model has {name} {_shape(t.shape)}, which the checkpoint lacks")
     for name, s in shapes.items():

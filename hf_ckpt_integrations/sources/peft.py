@@ -250,8 +250,9 @@ def is_targeted(cfg: dict, module: str, path) -> bool:
     """peft's ``check_target_module_exists`` for the module name ``module``: selected by
     ``target_modules`` (a regex: full match; a list: the name or a suffix after a dot, limited by
     ``layers_to_transform``/``layers_pattern``), not by ``exclude_modules``, not under a
-    ``modules_to_save`` module. ``target_modules`` null or ``"all-linear"`` select every module
-    (peft resolves them from the model; the merge then trusts the adapter's tensors)."""
+    ``modules_to_save`` module. ``target_modules`` null or ``"all-linear"`` select every module the
+    layer filter leaves (peft resolves them from the model; the merge then trusts the adapter's
+    tensors to name the modules it resolved)."""
     exclude = cfg.get("exclude_modules")
     if isinstance(exclude, str):
         if _match(exclude, module, path, "exclude_modules", full=True) is not None:
@@ -262,13 +263,15 @@ def is_targeted(cfg: dict, module: str, path) -> bool:
         if _match(rf"(^|.*\.){m}($|\..*)", module, path, "modules_to_save") is not None:
             return False
     targets = cfg.get("target_modules")
-    if targets is None or (isinstance(targets, str) and targets.lower() == "all-linear"):
-        return True
-    if isinstance(targets, str):
+    resolved = targets is None or (isinstance(targets, str) and targets.lower() == "all-linear")
+    if isinstance(targets, str) and not resolved:
         return _match(targets, module, path, "target_modules", full=True) is not None
-    if module in targets:
+    if not resolved and module in targets:
         return True
-    if not any(module.endswith(f".{t}") for t in targets):
+    # null / "all-linear": peft resolves them to a list of module-name suffixes from the model (its
+    # model-type defaults, every linear layer), trusted here to include this module; the layer
+    # filter below still applies to such a list
+    if not resolved and not any(module.endswith(f".{t}") for t in targets):
         return False
     layers = cfg.get("layers_to_transform")
     if layers is None or layers == []:
