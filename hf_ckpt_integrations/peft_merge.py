@@ -201,7 +201,7 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
     from .assemble import to_torch
     from .safe_load import MappedFiles
     from .sources import build_plan
-    from .sources.peft import check_lora_config, read_adapter_config
+    from .sources.peft import check_lora_config, pattern_budget, read_adapter_config
     from .commit import SiblingSwap
     from .orchestrator import write
     from .writer import OutTensor, check_max_shard_size, copy_config_files, plan_inputs, plan_tensors
@@ -232,7 +232,8 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
         if name not in base_by_name:
             raise LayoutError(f"{base_dir}: has no tensor {name} for the modules_to_save copy of {cfg_path}; pass "
                               "--base the model the adapter was trained on")
-    merges = _plan_merges(cfg, cfg_path, targets, base_by_name, base_plan, base_dir)
+    with pattern_budget():  # every pattern match of this merge, together
+        merges = _plan_merges(cfg, cfg_path, targets, base_by_name, base_plan, base_dir)
     skipped: List[str] = []
     with MappedFiles() as files:
         out = plan_tensors(base_plan, dtype, files, ranges=True)

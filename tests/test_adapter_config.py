@@ -245,3 +245,16 @@ def test_layer_filter_applies_to_targets_peft_resolves(targets):
     assert is_targeted(cfg, "model.layers.0.self_attn.q_proj", "adapter_config.json")
     assert not is_targeted(cfg, "model.layers.1.self_attn.q_proj", "adapter_config.json")
     assert is_targeted({"target_modules": targets}, "model.layers.1.self_attn.q_proj", "adapter_config.json")
+
+
+def test_all_matches_of_a_merge_share_one_time_budget():
+    """Many slow patterns (each under the per-match limit) must not add up to a hang: once a merge's
+    budget is spent, a match that does not finish at once is refused."""
+    from hf_ckpt_integrations.errors import CheckpointError
+    from hf_ckpt_integrations.sources.peft import pattern_budget, pattern_key
+
+    pytest.importorskip("regex")
+    with pattern_budget(0.0):
+        assert pattern_key(["q_proj"], "model.layers.0.self_attn.q_proj", "adapter_config.json", "rank_pattern")
+        with pytest.raises(CheckpointError, match="did not finish matching .*the patterns' time limit"):
+            pattern_key(["(a|aa)+c"], "a" * 40 + "b", "adapter_config.json", "rank_pattern")

@@ -15,9 +15,12 @@ segment followed by an adapter name) or when an ``adapter_config.json`` sits bes
 then keeps only the adapter, renamed, and records the adapter's config (:func:`adapter_plan`).
 """
 
+import contextlib
+import contextvars
 import json
 import math
 import os
+import time
 import re
 from typing import Dict, Iterable, List, Optional, Sequence
 
@@ -26,7 +29,8 @@ from ..errors import CheckpointError, LayoutError, one_line
 __all__ = ["ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "adapter_names_in", "save_name", "find_adapter_config",
            "is_adapter_config_dir",
            "read_adapter_config", "adapter_plan", "adapter_summary", "is_peft_model", "check_not_empty",
-           "adapter_out_dir", "check_lora_config", "pattern_key", "is_targeted", "PATTERN_LIMIT"]
+           "adapter_out_dir", "check_lora_config", "pattern_key", "is_targeted", "pattern_budget",
+           "PATTERN_LIMIT"]
 
 from ..formats.names import ADAPTER_CONFIG_NAME  # noqa: E402  (re-exported)
 from ..formats.names import ADAPTER_SAFETENSORS_NAME as ADAPTER_WEIGHTS_NAME  # noqa: E402
@@ -125,6 +129,20 @@ PATTERN_LIMIT = 4096
 # A pattern that has not matched one module name within this many seconds is catastrophic
 # (nested quantifiers): refused, where plain ``re`` would spin without end.
 MATCH_TIMEOUT_S = 2.0
+# ... and all of one merge's matches (modules x patterns) together within this many seconds
+# (:func:`pattern_budget`): many slow patterns must not add up to a hang either.
+MATCH_BUDGET_S = 10.0
+_BUDGET = contextvars.ContextVar("hf_ckpt_pattern_budget", default=None)
+
+
+@contextlib.contextmanager
+def pattern_budget(seconds: float = MATCH_BUDGET_S):
+    """Bound the total time the pattern matches inside the ``with`` block may take."""
+    token = _BUDGET.set([seconds])
+    try:
+        yield
+    finally:
+        _BUDGET.reset(token)
 
 
 def _is_int(v) -> bool:
@@ -225,16 +243,23 @@ def _match(source: str, text: str, path, field, *, full: bool = False):
         import regex
     except ImportError:  # plain re: the length bound is all there is
         return compiled.fullmatch(text) if full else compiled.match(text)
+    budget = _BUDGET.get()
+    timeout = MATCH_TIMEOUT_S if budget is None else max(min(MATCH_TIMEOUT_S, budget[0]), 0.001)
+    started = time.perf_counter()
     try:
         fast = regex.compile(source)
-        return fast.fullmatch(text, timeout=MATCH_TIMEOUT_S) if full else fast.match(text, timeout=MATCH_TIMEOUT_S)
+        return fast.fullmatch(text, timeout=timeout) if full else fast.match(text, timeout=timeout)
     except TimeoutError:
         raise CheckpointError(f"{path}: the {field} pattern {one_line(source[:60])!r} did not finish matching the "
-                              f"module name {one_line(text[:80])} within {MATCH_TIMEOUT_S:g} s (nested quantifiers "
-                              "backtrack without end): write it without nested repetition") from None
+                              f"module name {one_line(text[:80])} within {timeout:g} s (the patterns' time limit; "
+                              "nested quantifiers backtrack without end): write it without nested "
+                              "repetition") from None
     except Exception as e:  # the regex package rejects what re accepted
         raise CheckpointError(f"{path}: {field} pattern {one_line(source[:60])!r} cannot be matched "
                               f"({type(e).__name__}): fix adapter_config.json") from None
+    finally:
+        if budget is not None:
+            budget[0] -= time.perf_counter() - started
 
 
 def pattern_key(patterns: Sequence[str], module: str, path, field) -> Optional[str]:
