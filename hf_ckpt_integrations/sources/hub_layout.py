@@ -242,7 +242,7 @@ def _model_for(config_dir: str, model_type: Optional[str]):
 
 
 # Bump when what a cache entry holds (or how it is derived) changes.
-_LAYOUT_CACHE_FORMAT = 2
+_LAYOUT_CACHE_FORMAT = 3  # 3: written only for a config.json that fits the tensors, key and digest inside
 
 
 def _layout_cache_key(cfg: dict, shapes: Dict[str, Tuple[int, ...]], aliases: Dict[str, str]) -> str:
@@ -282,13 +282,17 @@ def _derive(config_dir: str, model_type, shapes: Dict[str, Tuple[int, ...]], ali
     """Ask transformers (a meta model of the config's family): ``{"renames": {stored: kept name},
     "layout": [[name, source, shape, offset], ...] or None (unchanged), "note": str or None}``.
     Raises :class:`LayoutError` for a conversion that is refused."""
-    model = _model_for(config_dir, model_type)
+    from .config_fit import bounded_build, check_fits
+
+    with bounded_build(config_dir, shapes):  # a config.json far larger than the checkpoint is refused, not built
+        model = _model_for(config_dir, model_type)
     if model is None:
         return {"renames": {}, "layout": None,
                 "note": f"config.json's model (type {model_type!r}) cannot be built by the installed transformers "
                         "and has no registered save-time conversion: names written as trained"}
     renames = tied_renames(model, aliases)
     shapes = {renames.get(n, n): s for n, s in shapes.items()}
+    check_fits(model, shapes, config_dir)  # so a cached entry also says config.json fits these tensors
     layout = hub_layout(shapes, model)
     return {"renames": renames, "note": None,
             "layout": None if layout is None else [[h.name, h.source, list(h.shape), h.offset] for h in layout]}
