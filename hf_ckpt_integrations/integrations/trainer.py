@@ -28,6 +28,8 @@ from typing import Optional
 from transformers import TrainerCallback
 
 from ..formats.dtypes import from_user as dtype_from_name, training_dtype
+from ..sources import dcp
+from ..sources.registry import engine_checkpoint
 from ..writer import MAX_SHARD_SIZE
 from ._dist import barrier, consolidate_checkpoint, existing_weights, write_config_on_rank0
 
@@ -36,15 +38,13 @@ __all__ = ["ConsolidatedCheckpointCallback", "consolidate_checkpoint", "save_mod
 logger = logging.getLogger(__name__)
 
 def _has_engine_checkpoint(directory) -> bool:
-    return os.path.isfile(os.path.join(directory, "latest")) or any(
-        n.startswith("global_step") for n in os.listdir(directory)) or _has_dcp(directory)
+    """The directory holds a training engine's checkpoint (the source registry says which)."""
+    return engine_checkpoint(directory) is not None
 
 
 def _has_dcp(directory) -> bool:
     """An FSDP checkpoint (``pytorch_model_fsdp_0/``, torch DCP): the Trainer writes no config.json beside it."""
-    from ..sources.dcp import find_dcp_dir
-
-    return find_dcp_dir(directory) is not None
+    return engine_checkpoint(directory) == dcp.NAME
 
 
 def _consolidate_engine_checkpoint(directory, model, **kwargs) -> dict:

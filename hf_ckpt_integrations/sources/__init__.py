@@ -12,10 +12,14 @@ from ..guards import bad_metadata_as_input, check_tag_name, config_problem
 __all__ = ["build_plan"]
 
 
-def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
+def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None, source_options=None):
     """Build the export plan for any supported checkpoint directory ``src``: the first source of the
     registry that claims it plans it, then the shared passes run, ending with
     :func:`~..plan.check_plan` (the writer never starts on a plan safetensors could not load).
+
+    ``source_options``: ``{name: value}`` for options the sources declare (``OPTIONS`` in their
+    modules, :class:`~.protocol.SourceOption`), checked before anything is read; ``tp_rules`` is
+    DeepSpeed's ``tp_rules`` option under its own name.
 
     Raises only :class:`~..errors.CheckpointError` for bad input: metadata of an unexpected type
     or shape (which a source's own checks did not name) is reported as a
@@ -33,11 +37,12 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None):
                               "tag dir or Trainer checkpoint-N dir)")
     if tag is not None:
         check_tag_name(tag, "--tag")
-    from .registry import find_source, plan_with
+    from .registry import check_options, find_source, plan_with
 
+    options = check_options({**(source_options or {}), **({"tp_rules": list(tp_rules)} if tp_rules else {})})
     with bad_metadata_as_input(src):
         source = find_source(src, tag)
-        plan = plan_with(source, src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules)
+        plan = plan_with(source, src, tag=tag, dtype=dtype, config=config, options=options)
     if plan.config_dir is None and plan.adapter is None:  # say why a config.json beside the checkpoint was not used
         problem = config_problem(src)
         if problem and os.path.lexists(os.path.join(src, "config.json")):
