@@ -40,8 +40,8 @@ from .errors import DestinationError
 from .formats.names import SAVED_WEIGHTS_RE
 from .guards import check_destination
 
-__all__ = ["CommitStrategy", "SiblingSwap", "MergeIntoCheckpoint", "DirLock", "fsync_dir", "disk_error",
-           "TMP_MARKER", "LOCK_SUFFIX", "STAGING_NAME", "WEIGHT_FILE_RE"]
+__all__ = ["CommitStrategy", "SiblingSwap", "MergeIntoCheckpoint", "DirLock", "fsync_path", "disk_error",
+           "TMP_MARKER", "LOCK_SUFFIX", "STAGING_NAME", "WEIGHT_FILE_RE", "weight_files"]
 
 TMP_MARKER = ".hfckpt-tmp-"
 LOCK_SUFFIX = ".hfckpt-lock"
@@ -52,7 +52,8 @@ _JOURNAL = ".hfckpt-commit.json"
 WEIGHT_FILE_RE = SAVED_WEIGHTS_RE
 
 
-def fsync_dir(path) -> None:
+def fsync_path(path) -> None:
+    """fsync a file, or a directory (its entries: a rename or a new file in it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -263,10 +264,10 @@ class SiblingSwap(CommitStrategy):
             return
         self._state = "done"
         try:
-            fsync_dir(self.path)
+            fsync_path(self.path)
             with _signals_held():  # an interrupt lands before the swap or after its cleanup
                 self._swap()
-            fsync_dir(self._parent)
+            fsync_path(self._parent)
         except OSError as e:
             shutil.rmtree(self.path, ignore_errors=True)
             raise disk_error(self.dst, e) from e
@@ -359,14 +360,14 @@ class MergeIntoCheckpoint(CommitStrategy):
         try:
             try:
                 for n in names:
-                    _fsync_file(os.path.join(self.path, n))
+                    fsync_path(os.path.join(self.path, n))
                 tmp = os.path.join(self.path, _JOURNAL + ".tmp")
                 with open(tmp, "w", encoding="utf-8") as fh:
                     json.dump({"files": names, "replace_existing": self.replace_existing}, fh)
                     fh.flush()
                     os.fsync(fh.fileno())
                 os.replace(tmp, os.path.join(self.path, _JOURNAL))
-                fsync_dir(self.path)
+                fsync_path(self.path)
             except OSError as e:  # nothing moved yet
                 shutil.rmtree(self.path, ignore_errors=True)
                 raise disk_error(self.dst, e) from e
@@ -379,33 +380,26 @@ class MergeIntoCheckpoint(CommitStrategy):
         keep = set(names)
         pending = [n for n in names if os.path.lexists(os.path.join(self.path, n))]
         if pending:
-            for n in _weight_files(self.dst):
+            for n in weight_files(self.dst):
                 if n.endswith(".index.json"):
                     os.remove(os.path.join(self.dst, n))
         for n in pending:
             os.replace(os.path.join(self.path, n), os.path.join(self.dst, n))
         if replace_existing:
-            for n in _weight_files(self.dst):
+            for n in weight_files(self.dst):
                 if n not in keep:
                     os.remove(os.path.join(self.dst, n))
-        fsync_dir(self.dst)
+        fsync_path(self.dst)
         shutil.rmtree(self.path, ignore_errors=True)
 
 
 
-def _weight_files(directory) -> List[str]:
+def weight_files(directory) -> List[str]:
+    """The weight files (and their index) in ``directory``, sorted; [] when it does not exist."""
     try:
         return sorted(n for n in os.listdir(directory) if WEIGHT_FILE_RE.match(n))
     except FileNotFoundError:
         return []
-
-
-def _fsync_file(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 _HELD = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))

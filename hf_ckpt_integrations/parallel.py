@@ -11,7 +11,7 @@ that sets the ``torch.distributed`` env: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR
    must be on a file system all ranks share);
 2. every rank writes its shards into it (:func:`~.writer.write_shard`, one at a time, fsynced);
 3. all ranks exchange their failures: if any rank failed, rank 0 removes the staging directory
-   and every rank raises :class:`~.orchestrator.WriteError` (``ParallelExportError``);
+   and every rank raises :class:`~.comm.WriteError` (``ParallelExportError``);
 4. otherwise rank 0 writes the index and config files and renames the directory into place,
    and broadcasts the outcome, so every rank returns the same report or raises.
 
@@ -24,7 +24,8 @@ import os
 from typing import Optional
 
 from .commit import SiblingSwap
-from .orchestrator import TorchComm, WriteError, write
+from .comm import WriteError, torchrun_comm
+from .orchestrator import write
 from .plan import ExportPlan
 from .safe_load import MappedFiles
 from .writer import MAX_SHARD_SIZE, check_max_shard_size, export_finisher, plan_inputs, plan_tensors
@@ -40,14 +41,6 @@ def world_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
-def _dist():
-    try:
-        import torch.distributed as dist
-    except ImportError as e:  # pragma: no cover - torch is a dependency of every supported setup
-        raise ImportError("rank-parallel export needs torch.distributed: pip install torch") from e
-    return dist
-
-
 def write_plan_parallel(plan: Optional[ExportPlan], dst, *, dtype: Optional[str] = None, max_shard_size=MAX_SHARD_SIZE,
                         overwrite: bool = False, quiet: bool = False, group=None) -> dict:
     """Write ``plan`` to ``dst`` from every rank of ``group``; call on all ranks with the same arguments
@@ -57,25 +50,17 @@ def write_plan_parallel(plan: Optional[ExportPlan], dst, *, dtype: Optional[str]
     exists, and destroys it again before returning. Returns, on every rank, the report
     :func:`~.writer.write_plan` returns plus ``world_size`` and ``shards_by_rank``. Raises
     :class:`~.errors.DestinationError` (rank 0's own check of ``dst``) or
-    :class:`~.orchestrator.WriteError` (failures collected from all ranks) on every rank; in both
+    :class:`~.comm.WriteError` (failures collected from all ranks) on every rank; in both
     cases nothing is left at ``dst`` but what was there before.
     """
     max_shard_size = check_max_shard_size(max_shard_size)  # the same answer on every rank, before any collective
-    dist = _dist()
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group(backend="gloo")
-    try:
-        comm = TorchComm(dist, group)
+    with torchrun_comm(group) as comm:
         plan = comm.broadcast(plan if comm.rank == 0 else None)
         strategy = SiblingSwap(dst, overwrite=overwrite, inputs=plan_inputs(plan), configs=[plan.config_dir])
         with MappedFiles() as files:
             tensors = plan_tensors(plan, dtype, files, ranges=True)
             report = write(tensors, strategy, comm=comm, max_shard_size=max_shard_size, finish=export_finisher(plan),
                            quiet=quiet, what=f"{os.path.abspath(os.fspath(dst))}: rank-parallel export")
-    finally:
-        if created:
-            dist.destroy_process_group()
     keys = ("destination", "files", "shards", "tensor_bytes", "bytes_on_disk", "config_files", "warnings", "seconds",
             "world_size", "shards_by_rank")
     return {k: report[k] for k in keys}

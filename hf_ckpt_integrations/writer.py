@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 from .assemble import FileRange, iter_bytes
-from .commit import TMP_MARKER, SiblingSwap, disk_error, fsync_dir
+from .commit import TMP_MARKER, SiblingSwap, disk_error
 from .errors import DestinationError, OptionError
 from .formats import names
 from .formats.config import record_dtype, write_config
@@ -39,7 +39,7 @@ from .safe_load import MappedFiles
 
 __all__ = ["OutTensor", "split_shards", "shard_order", "write_shard", "write_index", "copy_config_files", "Staging",
            "set_config_dtype", "write_plan", "MAX_SHARD_SIZE", "SAFETENSORS_FILENAME_PATTERN", "INDEX_NAME",
-           "TMP_MARKER", "CONFIG_FILES", "check_max_shard_size", "check_workers", "plan_inputs", "fsync_dir",
+           "TMP_MARKER", "CONFIG_FILES", "check_max_shard_size", "check_workers", "plan_inputs",
            "disk_error", "export_finisher"]
 
 # The old name of the export commit strategy (:class:`~.commit.SiblingSwap`).

@@ -5,83 +5,29 @@
 call) with the :class:`~..commit.MergeIntoCheckpoint` strategy: shards are staged in
 ``dst/.hfckpt-tmp-weights/`` and merged into ``dst`` (a checkpoint directory that keeps its other
 files) only when every rank succeeded; otherwise every rank raises the same
-:class:`~..orchestrator.WriteError` (``SaveError``) naming each failed rank.
-
-Ranks come from ``torch.distributed`` when it is initialised, never from Accelerate's state
-(which on a CPU-only DeepSpeed launch reports one process on every rank).
+:class:`~..comm.WriteError` naming each failed rank. Every collective goes through
+:mod:`..comm` (``default_comm()``: ranks from ``torch.distributed`` when it is initialised).
 """
 
 import os
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-from ..commit import STAGING_NAME, MergeIntoCheckpoint
+from ..comm import WriteError, default_comm
+from ..commit import STAGING_NAME, MergeIntoCheckpoint, weight_files as existing_weights
 from ..formats.dtypes import from_user as dtype_from_name
-from ..formats.names import SAVED_WEIGHTS_RE
 from ..formats.safetensors import floating_dtypes
-from ..orchestrator import Assignment, WriteError, default_comm, write
+from ..orchestrator import Assignment, write
 from ..writer import MAX_SHARD_SIZE, OutTensor, copy_config_files
 
-__all__ = ["SaveError", "rank_world", "barrier", "all_ranks_ok", "broadcast_from_0", "write_distributed",
-           "existing_weights", "existing_weights_dtype", "remove_weights", "consolidate_checkpoint", "STAGING_NAME",
-           "write_config_on_rank0"]
+__all__ = ["SaveError", "write_distributed", "existing_weights", "existing_weights_dtype", "remove_weights",
+           "consolidate_checkpoint", "consolidate", "STAGING_NAME", "write_config_on_rank0", "SAVE_CONSEQUENCE"]
 
-_SAVE_CONSEQUENCE = "the destination was left without the new weights: fix the cause and save again"
+# What a failed save-time write leaves (every WriteError of the hooks says it).
+SAVE_CONSEQUENCE = "the destination was left without the new weights: fix the cause and save again"
 
 
 # The old name of the one failure type (``failures``: rank -> message).
 SaveError = WriteError
-
-
-def _dist():
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return None
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def rank_world():
-    """``(rank, world_size)`` of the default ``torch.distributed`` group, ``(0, 1)`` without one."""
-    dist = _dist()
-    return (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
-
-
-def barrier():
-    dist = _dist()
-    if dist:
-        dist.barrier()
-
-
-def broadcast_from_0(obj):
-    """Rank 0's ``obj`` on every rank (so that all ranks take the same decision)."""
-    dist = _dist()
-    if not dist:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def all_ranks_ok(error: Optional[BaseException], what: str, context: str = "") -> None:
-    """Exchange this rank's error (or ``None``); raise :class:`~..orchestrator.WriteError` on every rank
-    if any failed."""
-    text = None if error is None else f"{context}{type(error).__name__}: {error}"
-    dist = _dist()
-    if dist:
-        gathered: List[Optional[str]] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, text)
-    else:
-        gathered = [text]
-    failures = {r: t for r, t in enumerate(gathered) if t is not None}
-    if failures:
-        raise WriteError(what, failures, _SAVE_CONSEQUENCE) from error
-
-
-def existing_weights(directory) -> List[str]:
-    try:
-        return sorted(n for n in os.listdir(directory) if SAVED_WEIGHTS_RE.match(n))  # replaced as a whole
-    except FileNotFoundError:
-        return []
 
 
 def existing_weights_dtype(directory) -> Optional[str]:
@@ -113,14 +59,14 @@ def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_S
     weight files in ``dst`` are replaced as a set only after every rank has written its shards
     (``replace_existing``); other files are kept. Returns ``{"files": [shard names], "tensor_bytes":
     n, "written_here": [...], "sharded": bool, "shards_by_rank": {...}}``. Raises
-    :class:`~..orchestrator.WriteError` on every rank when any rank failed.
+    :class:`~..comm.WriteError` on every rank when any rank failed.
     """
     def finish(staging, tensors):
         return {"config_files": copy_config_files(config_dir, staging, tensors=tensors)}
 
     report = write(tensors, MergeIntoCheckpoint(dst, replace_existing=replace_existing), comm=default_comm(),
                    max_shard_size=max_shard_size, fmt=fmt, collective=collective, bind=bind,
-                   finish=finish if config_dir else None, what=what, consequence=_SAVE_CONSEQUENCE)
+                   finish=finish if config_dir else None, what=what, consequence=SAVE_CONSEQUENCE)
     return {"files": report["shard_files"], "tensor_bytes": report["tensor_bytes"],
             "written_here": report["written_here"], "sharded": report["sharded"],
             "shards_by_rank": report["shards_by_rank"]}
@@ -132,13 +78,38 @@ def write_config_on_rank0(module, directory, tensors=None, *, keep_existing: boo
     (only rank 0 looks: every rank takes part in the collective whatever it finds). Collective."""
     from ..formats.config import write_config
 
-    error = None
-    if rank_world()[0] == 0 and not (keep_existing and os.path.isfile(os.path.join(directory, "config.json"))):
-        try:
+    def write_it():
+        if not (keep_existing and os.path.isfile(os.path.join(directory, "config.json"))):
             write_config(directory, model=module, tensor_dtypes=[t.dtype for t in tensors or ()])
-        except Exception as e:
-            error = e
-    all_ranks_ok(error, f"writing config.json into {directory}")
+
+    default_comm().on_rank0(write_it, f"writing config.json into {directory}", SAVE_CONSEQUENCE)
+
+
+def consolidate(checkpoint_dir, dst, *, what: str, tag: Optional[str] = None, dtype: Optional[str] = None,
+                config: Optional[str] = None, check: Optional[Callable] = None, max_shard_size=MAX_SHARD_SIZE,
+                replace_existing: bool = True, fmt: str = "safetensors", copy_config: bool = True) -> dict:
+    """Write into ``dst`` the export of the engine checkpoint in ``checkpoint_dir``. Collective.
+
+    The plan is built once, on rank 0, from the files every rank sees, where ``check(plan)`` may
+    refuse it (raise); every rank receives it and writes its shards (:func:`write_distributed`; the
+    plan's config files copied when ``copy_config``). Returns :func:`write_distributed`'s report. Raises the same :class:`~..comm.WriteError` on every
+    rank when any rank failed (with one process: the error itself)."""
+    from ..safe_load import MappedFiles
+    from ..sources import build_plan
+    from ..writer import plan_tensors
+
+    def plan_it():
+        plan = build_plan(checkpoint_dir, tag=tag, dtype=dtype, config=config)
+        if check is not None:
+            check(plan)
+        return plan
+
+    plan = default_comm().on_rank0(plan_it, f"{what}: planning", SAVE_CONSEQUENCE)
+    with MappedFiles() as files:
+        tensors = plan_tensors(plan, dtype, files, ranges=True)
+        return write_distributed(tensors, dst, max_shard_size=max_shard_size,
+                                 config_dir=plan.config_dir if copy_config else None,
+                                 replace_existing=replace_existing, what=what, fmt=fmt)
 
 
 def consolidate_checkpoint(checkpoint_dir, *, tag: Optional[str] = None, dtype: Optional[str] = None,
@@ -150,43 +121,22 @@ def consolidate_checkpoint(checkpoint_dir, *, tag: Optional[str] = None, dtype: 
     on a filesystem all ranks see. ``dtype``: ``None`` (fp32 masters when present), ``"fp32"``,
     ``"bf16"``, ``"fp16"``. ``existing``: ``"auto"`` keeps weights already there when their dtype is
     the target dtype, ``"replace"`` always rewrites them. Returns ``{"action": "kept"|"written", ...}``.
-    Raises :class:`SaveError` on every rank when any rank failed (plan refused, disk full, ...).
+    Raises :class:`~..comm.WriteError` on every rank when any rank failed (plan refused, disk full,
+    ...); with one process, the error itself.
     """
     if existing not in ("auto", "replace"):
         raise ValueError(f"existing={existing!r}; use 'auto' or 'replace'")
-    from ..safe_load import MappedFiles
-    from ..sources import build_plan
-    from ..writer import plan_tensors
-
     checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
     what = what or f"consolidating {checkpoint_dir}"
     target = dtype_from_name(dtype)
-    decision, error = None, None
-    if rank_world()[0] == 0:
-        try:
-            decision = "write"
-            if existing_weights(checkpoint_dir) and existing == "auto":
-                # Without a dtype the export would be the fp32 masters (the plan's default).
-                if existing_weights_dtype(checkpoint_dir) == (target or "F32"):
-                    decision = "keep"
-        except Exception as e:  # reported on every rank below
-            error = e
-    decision = broadcast_from_0(decision)
-    all_ranks_ok(error, what)
-    if decision == "keep":
-        return {"action": "kept", "files": existing_weights(checkpoint_dir)}
 
-    # The plan is built once, on rank 0, from the files every rank sees; the others receive it.
-    plan, error = None, None
-    if rank_world()[0] == 0:
-        try:
-            plan = build_plan(checkpoint_dir, tag=tag, dtype=dtype, config=config)
-        except Exception as e:
-            error = e
-    all_ranks_ok(error, f"{what}: planning")
-    plan = broadcast_from_0(plan)
-    with MappedFiles() as files:
-        tensors = plan_tensors(plan, dtype, files, ranges=True)
-        report = write_distributed(tensors, checkpoint_dir, max_shard_size=max_shard_size,
-                                   config_dir=plan.config_dir, replace_existing=True, what=what)
+    def keep() -> bool:
+        # Without a dtype the export would be the fp32 masters (the plan's default).
+        return bool(existing == "auto" and existing_weights(checkpoint_dir)
+                    and existing_weights_dtype(checkpoint_dir) == (target or "F32"))
+
+    if default_comm().on_rank0(keep, what, SAVE_CONSEQUENCE):
+        return {"action": "kept", "files": existing_weights(checkpoint_dir)}
+    report = consolidate(checkpoint_dir, checkpoint_dir, what=what, tag=tag, dtype=dtype, config=config,
+                         max_shard_size=max_shard_size)
     return {"action": "written", **report}

@@ -31,7 +31,8 @@ from ..formats.dtypes import from_user as dtype_from_name, training_dtype
 from ..sources import dcp
 from ..sources.registry import engine_checkpoint
 from ..writer import MAX_SHARD_SIZE
-from ._dist import barrier, consolidate_checkpoint, existing_weights, write_config_on_rank0
+from ..comm import default_comm
+from ._dist import consolidate_checkpoint, existing_weights, write_config_on_rank0
 
 __all__ = ["ConsolidatedCheckpointCallback", "consolidate_checkpoint", "save_model", "training_dtype"]
 
@@ -67,7 +68,7 @@ def save_model(trainer, output_dir: Optional[str] = None, *, dtype: Optional[str
     """
     output_dir = output_dir if output_dir is not None else trainer.args.output_dir
     trainer.save_model(output_dir)
-    barrier()
+    default_comm().barrier()
     from .peft import consolidate_adapter, is_peft_model
 
     if is_peft_model(trainer.model) and _has_engine_checkpoint(output_dir):
@@ -92,7 +93,7 @@ class ConsolidatedCheckpointCallback(TrainerCallback):
       ``"replace"``.
 
     Every rank runs the callback (the Trainer calls callbacks on all ranks); the write is collective.
-    A failure on any rank raises :class:`~._dist.SaveError` on every rank.
+    A failure on any rank raises :class:`~..comm.WriteError` on every rank.
     """
 
     def __init__(self, *, dtype: Optional[str] = None, max_shard_size=MAX_SHARD_SIZE, checkpoints: str = "every",
