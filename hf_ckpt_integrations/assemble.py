@@ -15,7 +15,7 @@ from .formats.dtypes import FLOATS as FLOAT_DTYPES, SIZES as DTYPE_SIZES, to_tor
 from .plan import TensorPlan
 from .safe_load import MappedFiles
 
-__all__ = ["assemble_chunks", "iter_bytes", "to_torch", "check_replicas", "check_module_copy",
+__all__ = ["assemble_chunks", "iter_bytes", "torch_tensor", "check_replicas", "check_module_copy",
            "FileRange", "FLOAT_DTYPES"]
 
 
@@ -61,7 +61,7 @@ def assemble_chunks(shape, chunks, files: MappedFiles):
     return out.reshape(-1)
 
 
-def to_torch(t: TensorPlan, files: MappedFiles):
+def torch_tensor(t: TensorPlan, files: MappedFiles):
     """The tensor ``t`` describes, in its source dtype (a copy only where merging needs one)."""
     import warnings
 
@@ -159,7 +159,7 @@ def iter_bytes(t: TensorPlan, out_dtype: str, files: MappedFiles, *, ranges: boo
 
             yield memoryview(cast_array(t.src_dtype, out_dtype, raw.view(NUMPY_BITS[t.src_dtype])).view("uint8"))
             return
-    tensor = to_torch(t, files).to(_torch_dtype(out_dtype)).contiguous()
+    tensor = torch_tensor(t, files).to(_torch_dtype(out_dtype)).contiguous()
     import torch
 
     yield memoryview(tensor.view(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")

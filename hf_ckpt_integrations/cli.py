@@ -224,7 +224,7 @@ def build_parser():
 
 class Stopped(KeyboardInterrupt):
     """SIGTERM or SIGHUP (what a scheduler or a closed terminal sends), raised where the program
-    is, so every ``with Staging(...)`` on the way out removes what it staged, as for Ctrl-C."""
+    is, so the commit strategy on the way out removes what it staged, as for Ctrl-C."""
 
     def __init__(self, signum):
         super().__init__(signum)

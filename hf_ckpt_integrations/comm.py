@@ -19,7 +19,7 @@ Accelerate's state, which on a CPU-only DeepSpeed launch reports one process on 
 """
 
 import contextlib
-from typing import Callable, Dict, List, Optional, TypeVar, Union
+from typing import Callable, Dict, List, TypeVar, Union
 
 from .errors import CheckpointError, DestinationError
 

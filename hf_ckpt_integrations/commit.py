@@ -41,15 +41,13 @@ from .formats.names import SAVED_WEIGHTS_RE
 from .guards import check_destination
 
 __all__ = ["CommitStrategy", "SiblingSwap", "MergeIntoCheckpoint", "DirLock", "fsync_path", "disk_error",
-           "TMP_MARKER", "LOCK_SUFFIX", "STAGING_NAME", "WEIGHT_FILE_RE", "weight_files"]
+           "TMP_MARKER", "LOCK_SUFFIX", "STAGING_NAME", "weight_files"]
 
 TMP_MARKER = ".hfckpt-tmp-"
 LOCK_SUFFIX = ".hfckpt-lock"
 # MergeIntoCheckpoint's staging directory inside the checkpoint directory.
 STAGING_NAME = ".hfckpt-tmp-weights"
 _JOURNAL = ".hfckpt-commit.json"
-# Weight files save_pretrained / Accelerate may have written (replaced as a whole set, never mixed).
-WEIGHT_FILE_RE = SAVED_WEIGHTS_RE
 
 
 def fsync_path(path) -> None:
@@ -169,7 +167,7 @@ class CommitStrategy:
 class SiblingSwap(CommitStrategy):
     """A temporary sibling of ``dst`` that becomes ``dst`` on commit, or vanishes.
 
-    Also a context manager (the old ``writer.Staging``): ``with SiblingSwap(dst, overwrite=...) as
+    Also a context manager: ``with SiblingSwap(dst, overwrite=...) as
     tmp: ...write into tmp...`` commits on a clean exit and aborts on an exception.
 
     Crash and concurrency safety (docs/reliability.md):
@@ -306,7 +304,7 @@ class MergeIntoCheckpoint(CommitStrategy):
     ``begin`` creates ``dst/.hfckpt-tmp-weights/`` under the lock (first rolling forward a commit a
     crash interrupted, or removing an unfinished staging directory). ``commit(names)`` writes the
     journal (the staged names) into the staging directory, then, in ``dst``: removes the weight
-    index files (:data:`WEIGHT_FILE_RE`) — so no index names a file of the other set — moves the
+    index files (:data:`~.formats.names.SAVED_WEIGHTS_RE`) — so no index names a file of the other set — moves the
     staged files in (index files last), and with ``replace_existing`` removes the previous save's
     weight files not in the new set. Every step is idempotent, so a rerun from the journal
     finishes an interrupted commit.
@@ -397,7 +395,7 @@ class MergeIntoCheckpoint(CommitStrategy):
 def weight_files(directory) -> List[str]:
     """The weight files (and their index) in ``directory``, sorted; [] when it does not exist."""
     try:
-        return sorted(n for n in os.listdir(directory) if WEIGHT_FILE_RE.match(n))
+        return sorted(n for n in os.listdir(directory) if SAVED_WEIGHTS_RE.match(n))
     except FileNotFoundError:
         return []
 

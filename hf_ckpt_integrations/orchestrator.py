@@ -299,7 +299,7 @@ def drain(t: OutTensor) -> None:
 
 def write_bin_shard(path, tensors: Sequence[OutTensor], progress=None) -> int:
     """``torch.save`` of one shard, each tensor owning exactly its bytes (one shard in memory, never
-    a view of a flat buffer — seed 002); fsynced. Returns the tensor bytes written."""
+    a view of a flat buffer, whose whole storage torch.save would write); fsynced. Returns the tensor bytes written."""
     import torch
 
     from .formats.dtypes import to_torch

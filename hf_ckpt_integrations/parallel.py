@@ -11,7 +11,7 @@ that sets the ``torch.distributed`` env: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR
    must be on a file system all ranks share);
 2. every rank writes its shards into it (:func:`~.writer.write_shard`, one at a time, fsynced);
 3. all ranks exchange their failures: if any rank failed, rank 0 removes the staging directory
-   and every rank raises :class:`~.comm.WriteError` (``ParallelExportError``);
+   and every rank raises :class:`~.comm.WriteError`;
 4. otherwise rank 0 writes the index and config files and renames the directory into place,
    and broadcasts the outcome, so every rank returns the same report or raises.
 
@@ -24,16 +24,13 @@ import os
 from typing import Optional
 
 from .commit import SiblingSwap
-from .comm import WriteError, torchrun_comm
+from .comm import torchrun_comm
 from .orchestrator import write
 from .plan import ExportPlan
 from .safe_load import MappedFiles
 from .writer import MAX_SHARD_SIZE, check_max_shard_size, export_finisher, plan_inputs, plan_tensors
 
-__all__ = ["ParallelExportError", "write_plan_parallel", "world_from_env"]
-
-# The old name of the one failure type (``failures``: rank -> message).
-ParallelExportError = WriteError
+__all__ = ["write_plan_parallel", "world_from_env"]
 
 
 def world_from_env() -> int:

@@ -18,11 +18,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .formats.dtypes import FLOATS, SIZES, USER_NAMES as DTYPE_NAMES, from_user as dtype_from_name
+from .formats.dtypes import FLOATS, SIZES, from_user as dtype_from_name
 
-__all__ = ["Piece", "LivePiece", "Chunk", "TensorPlan", "ExportPlan", "DTYPE_NAMES", "dtype_from_name",
-           "narrow_pieces", "check_tiling", "row_major_pieces", "parts_as_chunks", "check_plan", "decide_dtypes"]
-# DTYPE_NAMES / dtype_from_name: the user dtype names of :mod:`.formats.dtypes`, kept importable here.
+__all__ = ["Piece", "LivePiece", "Chunk", "TensorPlan", "ExportPlan", "narrow_pieces", "check_tiling",
+           "row_major_pieces", "parts_as_chunks", "check_plan", "decide_dtypes"]
 
 
 @dataclass(frozen=True)

@@ -12,22 +12,19 @@ files) only when every rank succeeded; otherwise every rank raises the same
 import os
 from typing import Callable, Optional, Sequence
 
-from ..comm import WriteError, default_comm
+from ..comm import default_comm
 from ..commit import STAGING_NAME, MergeIntoCheckpoint, weight_files as existing_weights
+from ..formats.config import write_config
 from ..formats.dtypes import from_user as dtype_from_name
 from ..formats.safetensors import floating_dtypes
 from ..orchestrator import Assignment, write
-from ..writer import MAX_SHARD_SIZE, OutTensor, copy_config_files
+from ..writer import MAX_SHARD_SIZE, OutTensor
 
-__all__ = ["SaveError", "write_distributed", "existing_weights", "existing_weights_dtype", "remove_weights",
-           "consolidate_checkpoint", "consolidate", "STAGING_NAME", "write_config_on_rank0", "SAVE_CONSEQUENCE"]
+__all__ = ["write_distributed", "existing_weights", "existing_weights_dtype", "consolidate_checkpoint", "consolidate",
+           "STAGING_NAME", "write_config_on_rank0", "SAVE_CONSEQUENCE"]
 
 # What a failed save-time write leaves (every WriteError of the hooks says it).
 SAVE_CONSEQUENCE = "the destination was left without the new weights: fix the cause and save again"
-
-
-# The old name of the one failure type (``failures``: rank -> message).
-SaveError = WriteError
 
 
 def existing_weights_dtype(directory) -> Optional[str]:
@@ -38,11 +35,6 @@ def existing_weights_dtype(directory) -> Optional[str]:
         return None
     dtypes = floating_dtypes(os.path.join(directory, n) for n in names)
     return dtypes.pop() if len(dtypes) == 1 else None
-
-
-def remove_weights(directory) -> None:
-    for n in existing_weights(directory):
-        os.remove(os.path.join(directory, n))
 
 
 def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_SHARD_SIZE,
@@ -62,7 +54,7 @@ def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_S
     :class:`~..comm.WriteError` on every rank when any rank failed.
     """
     def finish(staging, tensors):
-        return {"config_files": copy_config_files(config_dir, staging, tensors=tensors)}
+        return {"config_files": write_config(staging, config_dir=config_dir, tensor_dtypes=[t.dtype for t in tensors])}
 
     report = write(tensors, MergeIntoCheckpoint(dst, replace_existing=replace_existing), comm=default_comm(),
                    max_shard_size=max_shard_size, fmt=fmt, collective=collective, bind=bind,
@@ -76,8 +68,6 @@ def write_config_on_rank0(module, directory, tensors=None, *, keep_existing: boo
     """Rank 0 writes config.json (with the dtype of ``tensors``, as save_pretrained records it); a
     failure there raises on every rank. ``keep_existing``: rank 0 leaves a config.json already there
     (only rank 0 looks: every rank takes part in the collective whatever it finds). Collective."""
-    from ..formats.config import write_config
-
     def write_it():
         if not (keep_existing and os.path.isfile(os.path.join(directory, "config.json"))):
             write_config(directory, model=module, tensor_dtypes=[t.dtype for t in tensors or ()])

@@ -14,7 +14,8 @@ single-process models):
 - shards are spread over the ranks (the writer's assignment: shard ``i`` by rank ``i % world_size``
   from ``torch.distributed``), staged, and merged into place only when every rank succeeded;
 - ``safe_serialization=False`` writes ``pytorch_model*.bin`` whose tensors own exactly their
-  bytes (one shard in memory at a time), so no flat-buffer bloat (seed 002);
+  bytes (one shard in memory at a time): ``torch.save`` of a view into ZeRO's flat buffer would
+  write the whole buffer;
 - ``config.json`` (and ``generation_config.json``) is written when the model has a ``config``.
 
 Every rank must call ``save_model`` (as Accelerate already requires under DeepSpeed).

@@ -8,7 +8,8 @@ signature but writes ``path`` as a HuggingFace directory that ``from_pretrained(
   with ``shard=True``, one ``model.safetensors`` with ``shard=False`` (``path`` is then a
   directory too); ``config.json`` / ``generation_config.json`` from the model;
 - every TP-sharded tensor gathered first, then its vocabulary padding cut to the recorded
-  original length (:mod:`..sources.colossalai`; seed 003) — whatever the installed ColossalAI's
+  original length (:mod:`..sources.colossalai`: the pad records describe the global tensor) —
+  whatever the installed ColossalAI's
   own save path does;
 - streamed: each shard is written by the rank the writer assigns it to; only that rank receives
   the pieces, one tensor at a time; staged and merged into place when every rank succeeded.

@@ -30,7 +30,7 @@ from ..errors import CheckpointError, LayoutError, one_line
 from ..plan import Chunk, ExportPlan, Piece, TensorPlan, check_tiling, row_major_pieces
 from ..safe_load import Record, record_type, short_repr
 
-__all__ = ["ALLOWED", "find_dcp_dir", "read_metadata", "build_plan", "DcpTensor", "NAME", "LOOKS_FOR",
+__all__ = ["ALLOWED", "find_dcp_dir", "read_metadata", "plan_dcp_dir", "DcpTensor", "NAME", "LOOKS_FOR",
            "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "OPTIONS", "detect", "config_candidates", "plan"]
 
 # The source protocol (sources/registry.py).
@@ -105,9 +105,9 @@ def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
 
 
 def plan(ctx) -> ExportPlan:
-    """The registry's entry point (``ctx``: a :class:`~.protocol.PlanContext`): :func:`build_plan` of
+    """The registry's entry point (``ctx``: a :class:`~.protocol.PlanContext`): :func:`plan_dcp_dir` of
     the DCP directory ``ctx.path`` is or holds."""
-    return build_plan(find_dcp_dir(ctx.path), config_dir=ctx.config_dir, source=os.path.abspath(ctx.path))
+    return plan_dcp_dir(find_dcp_dir(ctx.path), config_dir=ctx.config_dir, source=os.path.abspath(ctx.path))
 
 
 def find_dcp_dir(src: str) -> Optional[str]:
@@ -259,7 +259,7 @@ def _chunk_piece(dcp_dir, name, fqn, dtype, off, sz, storage, where) -> Piece:
     return Piece(path, byte_offset, ref.numel, dtype)
 
 
-def build_plan(dcp_dir: str, *, config_dir: Optional[str] = None, source: Optional[str] = None) -> ExportPlan:
+def plan_dcp_dir(dcp_dir: str, *, config_dir: Optional[str] = None, source: Optional[str] = None) -> ExportPlan:
     """Plan the export of the model weights of the DCP checkpoint ``dcp_dir`` (see the module docstring)."""
     dcp_dir = os.path.abspath(dcp_dir)
     if _hf_writer_files(dcp_dir):

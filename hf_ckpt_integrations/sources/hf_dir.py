@@ -2,8 +2,8 @@
 
 What ColossalAI's own ``booster.save_model`` writes (``pytorch_model-00001.bin`` + index), what
 ``save_pretrained`` writes, and what this package exports. ``inspect`` reports the storage-bloat
-audit of every weight file (seed 002: ``.bin`` files whose tensors are views of larger
-storages); ``export`` rewrites the tensors as lean safetensors; ``verify`` compares against it.
+audit of every weight file (``.bin`` files whose tensors are views of larger storages hold those
+whole storages, N times the weights); ``export`` rewrites the tensors as lean safetensors; ``verify`` compares against it.
 """
 
 import os
@@ -71,7 +71,7 @@ def plan(ctx: PlanContext) -> ExportPlan:
         raise CheckpointError(f"{path}: no tensors in its weight files; save the model again")
     report = audit(path, files=weight_files)  # the weights only: never optimizer.pt & co. (Trainer)
     notes = [f"{name}: {r['storage_bytes']:,} storage bytes for {r['tensor_bytes']:,} tensor bytes "
-             f"(x{r['ratio']})" + (" — bloated: views of larger storages (seed 002); export writes only "
+             f"(x{r['ratio']})" + (" — bloated: views of larger storages; export writes only "
                                    "each tensor's own bytes" if r["ratio"] > 1.01 else "")
              for name, r in report["files"].items()]
     dtypes = {t.src_dtype for t in tensors.values()}
