@@ -205,3 +205,15 @@ def test_the_registry_says_which_engine_holds_a_directory(tmp_path):
     (fsdp / "pytorch_model_fsdp_0").mkdir(parents=True)
     (fsdp / "pytorch_model_fsdp_0" / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"")
     assert registry.engine_checkpoint(str(fsdp)) == "torch-dcp"
+
+
+def test_a_repeated_option_collects_every_value_and_tp_rule_is_its_own_spelling(tmp_path, monkeypatch):
+    module, seen = _toy(tmp_path, OPTIONS=(SourceOption("tp_rules", "rules", repeated=True, default=[]),))
+    monkeypatch.setattr(registry, "SOURCES", registry.register(module, *registry.SOURCES))
+    build_plan(tmp_path / "toy", tp_rules=["b=1"], source_options={"tp_rules": "a=0"})
+    assert seen["options"] == {"tp_rules": ["a=0", "b=1"]}
+    assert main(["inspect", str(tmp_path / "toy"), "--source-option", "tp_rules=c=0", "--source-option",
+                 "tp_rules=d=1"]) == 0
+    assert seen["options"] == {"tp_rules": ["c=0", "d=1"]}
+    build_plan(tmp_path / "toy")
+    assert seen["options"] == {"tp_rules": []}  # the default, a fresh list per export

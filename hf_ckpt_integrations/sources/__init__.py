@@ -39,7 +39,11 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None, source_
         check_tag_name(tag, "--tag")
     from .registry import check_options, find_source, plan_with
 
-    options = check_options({**(source_options or {}), **({"tp_rules": list(tp_rules)} if tp_rules else {})})
+    given = dict(source_options or {})
+    if tp_rules:  # --tp-rule is the tp_rules option's own spelling; both together add up
+        extra = given.get("tp_rules") or []
+        given["tp_rules"] = (list(extra) if isinstance(extra, (list, tuple)) else [extra]) + list(tp_rules)
+    options = check_options(given)
     with bad_metadata_as_input(src):
         source = find_source(src, tag)
         plan = plan_with(source, src, tag=tag, dtype=dtype, config=config, options=options)
