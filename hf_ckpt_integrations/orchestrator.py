@@ -41,6 +41,7 @@ from .formats import names
 from .formats.dtypes import SIZES
 from .formats.names import (ADAPTER_SAFETENSORS_NAME, BIN_INDEX as BIN_INDEX_NAME, BIN_PATTERN, SAFETENSORS_INDEX,
                             SAFETENSORS_PATTERN)
+from .outfiles import open_new
 from .plan import TensorPlan
 from .writer import MAX_SHARD_SIZE, OutTensor, progress_bar, shard_order, write_shard
 
@@ -176,8 +177,12 @@ def _write_staged(tensors, strategy, comm, assignment, staging, fmt, collective,
             strategy.abort()  # (one process: write() aborts again, a no-op)
             raise
         dst = strategy.dst
-        return {**extra, "destination": dst, "files": staged,
-                "bytes_on_disk": sum(os.path.getsize(os.path.join(dst, n)) for n in staged)}
+        outcome = {**extra, "destination": dst, "files": staged,
+                   "bytes_on_disk": sum(os.path.getsize(os.path.join(dst, n)) for n in staged)}
+        left = list(getattr(strategy, "warnings", ()))  # entries named like ours it left alone
+        if left:
+            outcome["warnings"] = left + list(extra.get("warnings", ()))
+        return outcome
 
     outcome = comm.on_rank0(commit, what, consequence)
     return {**report, **outcome, "written_here": written, "seconds": round(time.perf_counter() - started, 3)}
@@ -316,7 +321,7 @@ def write_bin_shard(path, tensors: Sequence[OutTensor], progress=None) -> int:
             raise CheckpointError(f"{t.name}: produced {pos} bytes, expected {t.nbytes}; please report this")
         shard[t.name] = (torch.frombuffer(buf, dtype=to_torch(t.dtype)) if t.nbytes else
                          torch.empty(0, dtype=to_torch(t.dtype))).view(t.shape)
-    with open(path, "wb") as fh:
+    with open_new(path) as fh:
         torch.save(shard, fh)
         fh.flush()
         os.fsync(fh.fileno())

@@ -15,7 +15,6 @@ from typing import Callable, Optional, Sequence
 from ..comm import default_comm
 from ..commit import STAGING_NAME, MergeIntoCheckpoint, weight_files as existing_weights
 from ..formats.config import write_config
-from ..formats.dtypes import from_user as dtype_from_name
 from ..formats.safetensors import floating_dtypes
 from ..orchestrator import Assignment, write
 from ..writer import MAX_SHARD_SIZE, OutTensor
@@ -35,6 +34,18 @@ def existing_weights_dtype(directory) -> Optional[str]:
         return None
     dtypes = floating_dtypes(os.path.join(directory, n) for n in names)
     return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _holds_plan_dtypes(directory, plan) -> bool:
+    """True when ``directory`` already holds safetensors weights with every tensor of ``plan`` in its
+    decided output dtype (the Trainer's own save, written in the target dtype)."""
+    from ..formats.safetensors import read_hf_dir
+
+    names = existing_weights(directory)
+    if not names or not all(n.endswith((".safetensors", ".json")) for n in names):
+        return False
+    held = {name: entry[1] for name, entry in read_hf_dir(directory).items()}
+    return all(held.get(t.name) == t.out_dtype for t in plan.tensors)
 
 
 def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_SHARD_SIZE,
@@ -77,13 +88,16 @@ def write_config_on_rank0(module, directory, tensors=None, *, keep_existing: boo
 
 def consolidate(checkpoint_dir, dst, *, what: str, tag: Optional[str] = None, dtype: Optional[str] = None,
                 config: Optional[str] = None, check: Optional[Callable] = None, max_shard_size=MAX_SHARD_SIZE,
-                replace_existing: bool = True, fmt: str = "safetensors", copy_config: bool = True) -> dict:
+                replace_existing: bool = True, fmt: str = "safetensors", copy_config: bool = True,
+                keep: Optional[Callable] = None) -> Optional[dict]:
     """Write into ``dst`` the export of the engine checkpoint in ``checkpoint_dir``. Collective.
 
     The plan is built once, on rank 0, from the files every rank sees, where ``check(plan)`` may
-    refuse it (raise); every rank receives it and writes its shards (:func:`write_distributed`; the
-    plan's config files copied when ``copy_config``). Returns :func:`write_distributed`'s report. Raises the same :class:`~..comm.WriteError` on every
-    rank when any rank failed (with one process: the error itself)."""
+    refuse it (raise) and ``keep(plan)``, when given, may say that what ``dst`` holds already will
+    do; every rank receives both and, unless kept, writes its shards (:func:`write_distributed`; the
+    plan's config files copied when ``copy_config``). Returns :func:`write_distributed`'s report, or
+    ``None`` when kept (nothing written). Raises the same :class:`~..comm.WriteError` on every rank
+    when any rank failed (with one process: the error itself)."""
     from ..safe_load import MappedFiles
     from ..sources import build_plan
     from ..writer import plan_tensors
@@ -92,9 +106,11 @@ def consolidate(checkpoint_dir, dst, *, what: str, tag: Optional[str] = None, dt
         plan = build_plan(checkpoint_dir, tag=tag, dtype=dtype, config=config)
         if check is not None:
             check(plan)
-        return plan
+        return plan, bool(keep is not None and keep(plan))
 
-    plan = default_comm().on_rank0(plan_it, f"{what}: planning", SAVE_CONSEQUENCE)
+    plan, kept = default_comm().on_rank0(plan_it, f"{what}: planning", SAVE_CONSEQUENCE)
+    if kept:
+        return None
     with MappedFiles() as files:
         tensors = plan_tensors(plan, dtype, files, ranges=True)
         return write_distributed(tensors, dst, max_shard_size=max_shard_size,
@@ -109,8 +125,9 @@ def consolidate_checkpoint(checkpoint_dir, *, tag: Optional[str] = None, dtype: 
 
     Every rank calls it (or a single process without ``torch.distributed``); the directory must be
     on a filesystem all ranks see. ``dtype``: ``None`` (fp32 masters when present), ``"fp32"``,
-    ``"bf16"``, ``"fp16"``. ``existing``: ``"auto"`` keeps weights already there when their dtype is
-    the target dtype, ``"replace"`` always rewrites them. Returns ``{"action": "kept"|"written", ...}``.
+    ``"bf16"``, ``"fp16"``. ``existing``: ``"auto"`` keeps weights already there when each of their
+    tensors has the dtype the export would write (:mod:`..dtype_rule`), ``"replace"`` always
+    rewrites them. Returns ``{"action": "kept"|"written", ...}``.
     Raises :class:`~..comm.WriteError` on every rank when any rank failed (plan refused, disk full,
     ...); with one process, the error itself.
     """
@@ -118,15 +135,11 @@ def consolidate_checkpoint(checkpoint_dir, *, tag: Optional[str] = None, dtype: 
         raise ValueError(f"existing={existing!r}; use 'auto' or 'replace'")
     checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
     what = what or f"consolidating {checkpoint_dir}"
-    target = dtype_from_name(dtype)
-
-    def keep() -> bool:
-        # Without a dtype the export would be the fp32 masters (the plan's default).
-        return bool(existing == "auto" and existing_weights(checkpoint_dir)
-                    and existing_weights_dtype(checkpoint_dir) == (target or "F32"))
-
-    if default_comm().on_rank0(keep, what, SAVE_CONSEQUENCE):
-        return {"action": "kept", "files": existing_weights(checkpoint_dir)}
+    # The plan's output dtypes (the one rule, fp32-kept modules included) say, on rank 0, whether
+    # the weights there will do.
+    keep = (lambda plan: _holds_plan_dtypes(checkpoint_dir, plan)) if existing == "auto" else None
     report = consolidate(checkpoint_dir, checkpoint_dir, what=what, tag=tag, dtype=dtype, config=config,
-                         max_shard_size=max_shard_size)
+                         max_shard_size=max_shard_size, keep=keep)
+    if report is None:
+        return {"action": "kept", "files": existing_weights(checkpoint_dir)}
     return {"action": "written", **report}

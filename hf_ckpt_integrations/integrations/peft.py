@@ -18,6 +18,8 @@ import copy
 import os
 from typing import Optional
 
+from ..dtype_rule import request
+from ..formats.dtypes import to_user
 from ..sources.peft import (adapter_names_in, adapter_out_dir, check_not_empty, is_peft_model,
                             save_name)
 from ..comm import default_comm
@@ -63,7 +65,7 @@ def consolidate_adapter(checkpoint_dir, model, *, dtype: Optional[str] = None) -
     """Write each trained adapter of ``model`` into ``checkpoint_dir`` (a subdirectory for an
     adapter not named ``default``, as peft does) from the DeepSpeed checkpoint there. Collective."""
     checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
-    dtype = dtype or adapter_dtype(model)
+    dtype = to_user(request(dtype, training=adapter_dtype(model)))  # default: the adapter's own dtype
     reports = {}
     for adapter in _trained_adapters(model):
         out_dir = adapter_out_dir(checkpoint_dir, adapter)
@@ -85,7 +87,7 @@ def save_adapter_live(module, save_directory, *, dtype: Optional[str] = None) ->
     reading only the adapter parameters. Collective."""
     from ..sources.live import live_tensors, reads_are_collective
 
-    dtype = dtype or adapter_dtype(module)
+    dtype = to_user(request(dtype, training=adapter_dtype(module)))  # default: the adapter's own dtype
     reports = {}
     for adapter in _trained_adapters(module):
         out_dir = adapter_out_dir(os.path.abspath(os.fspath(save_directory)), adapter)

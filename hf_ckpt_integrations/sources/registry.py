@@ -13,9 +13,10 @@ Every "which engine wrote this directory?" question is answered here (:func:`fin
 :func:`plan_with` builds the :class:`~.protocol.PlanContext` (the config ``config.json`` read once
 for every pass) and runs the shared passes on the plan of the source that claims the path: config
 discovery, the PEFT adapter pass (:mod:`.peft`: a checkpoint of a ``PeftModel`` becomes its adapter
-directory), tied aliases, the Hub-layout conversion, the output dtype decision and
-:func:`~..plan.check_plan`. Adding a source is one module and one line in :data:`SOURCES`
-(docs/architecture.md, "Adding a source").
+directory), tied aliases, the Hub-layout conversion, the output dtype decision (:mod:`..dtype_rule`,
+with the model class's fp32-kept modules for a 16-bit export) and :func:`~..plan.check_plan`.
+Adding a source is one module and one line in :data:`SOURCES` (docs/architecture.md, "Adding a
+source").
 """
 
 import os
@@ -25,6 +26,7 @@ from ..errors import CheckpointError
 from ..formats.names import CONFIG_NAME
 from ..plan import ExportPlan, check_plan, decide_dtypes
 from . import dcp, deepspeed, hf_dir, hub_layout, peft, universal
+from .fp32_modules import keep_for_plan
 from .passes import drop_tied_aliases, find_config_dir, tie_embeddings
 from .protocol import PlanContext, SourceOption, check_source, parse_options
 
@@ -96,10 +98,12 @@ def check_options(options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
 
 
 def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None,
-              config: Optional[str] = None, options: Optional[Mapping[str, Any]] = None) -> ExportPlan:
+              config: Optional[str] = None, options: Optional[Mapping[str, Any]] = None,
+              layout_cache: bool = True) -> ExportPlan:
     """``source``'s plan of ``path`` with the shared passes applied (see the module doc).
     ``options``: parsed source options (:func:`check_options`); those ``source`` does not declare
-    are left out, with a note."""
+    are left out, with a note. ``layout_cache``: whether the Hub-layout pass may answer from its
+    cache."""
     options = dict(options or {})
     mine = {o.name: o for o in source.OPTIONS}
     ignored = sorted(set(options) - set(mine))
@@ -125,7 +129,9 @@ def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[s
         if getattr(source, "TIED_UNDER_BOTH_NAMES", False):
             tie_embeddings(plan, ctx)
         drop_tied_aliases(plan, ctx)
-        hub_layout.convert_plan(plan, ctx.config)
-    decide_dtypes(plan, dtype)
+        hub_layout.convert_plan(plan, ctx.config, use_cache=layout_cache)
+    # The fp32-kept lists come from the same config read (the plan's config directory is the context's).
+    decide_dtypes(plan, dtype, keep_for_plan(plan, dtype, (lambda: ctx.config) if plan.config_dir == config_dir
+                                             else None))
     check_plan(plan)
     return plan
