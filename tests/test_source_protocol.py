@@ -175,16 +175,18 @@ def test_text_config_untied_writes_the_tied_alias_as_a_copy(tmp_path, monkeypatc
 
 # -- the config is read once per export ----------------------------------------------------------
 
-def test_an_export_reads_the_config_once(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+def test_an_export_reads_the_config_once(tmp_path, monkeypatch, dtype):
     """A DeepSpeed export with tied weights and a Hub-layout derivation (an empty layout cache):
-    the tied-alias pass, the Hub layout and its meta model all use the one read."""
+    the tied-alias pass, the Hub layout and its meta model all use the one read; in bf16 the
+    fp32-kept modules of the config's class are read from it too."""
     monkeypatch.setenv("HF_CKPT_CACHE", str(tmp_path / "layout-cache"))
     shutil.copytree(FIXTURE / "ckpt", tmp_path / "ckpt")
     shutil.copy(FIXTURE / "config.json", tmp_path / "ckpt" / "config.json")
     reads = []
     real = guards.read_config
     monkeypatch.setattr(guards, "read_config", lambda d: reads.append(d) or real(d))
-    export_checkpoint(tmp_path / "ckpt", tmp_path / "out")
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "out", dtype=dtype)
     assert len(reads) == 1, reads
 
 
