@@ -2,7 +2,7 @@
 and prints (so both front doors take the same options and raise the same errors)."""
 
 import os
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 from . import sources
 from .errors import OptionError
@@ -14,15 +14,17 @@ from .writer import MAX_SHARD_SIZE, check_max_shard_size, check_workers, write_p
 __all__ = ["inspect_checkpoint", "export_checkpoint", "verify_checkpoint"]
 
 
-def inspect_checkpoint(src, *, tag: Optional[str] = None, config: Optional[str] = None, tp_rules=None) -> dict:
-    """Describe a checkpoint (engine, stage, world layout, dtypes, tensors, problems found).
+def inspect_checkpoint(src, *, tag: Optional[str] = None, config: Optional[str] = None, tp_rules=None,
+                       source_options: Optional[Mapping[str, Any]] = None) -> dict:
+    """Describe a checkpoint (engine, the source's own facts such as a ZeRO stage and world layout,
+    dtypes, tensors, problems found).
 
     Reads metadata only. Raises :class:`~hf_ckpt_integrations.errors.CheckpointError` for a
     checkpoint that cannot be exported.
     """
     from .sources.fp32_modules import keep_fp32_of_config
 
-    plan = sources.build_plan(src, tag=tag, config=config, tp_rules=tp_rules)
+    plan = sources.build_plan(src, tag=tag, config=config, tp_rules=tp_rules, source_options=source_options)
     if plan.adapter is None:  # which tensors a bf16/fp16 export keeps in fp32, and why
         plan.keep_fp32 = keep_fp32_of_config(plan.config_dir)
     return plan.summary()
@@ -31,7 +33,7 @@ def inspect_checkpoint(src, *, tag: Optional[str] = None, config: Optional[str] 
 def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[str] = None,
                       max_shard_size=MAX_SHARD_SIZE, config: Optional[str] = None, overwrite: bool = False,
                       quiet: bool = True, tp_rules=None, workers: int = 1, merge_adapters: bool = False,
-                      base: Optional[str] = None) -> dict:
+                      base: Optional[str] = None, source_options: Optional[Mapping[str, Any]] = None) -> dict:
     """Export ``src`` (any source the registry reads: DeepSpeed save dir, tag dir, Trainer
     ``checkpoint-N``, universal checkpoint, HF directory) to an HF directory ``dst``.
 
@@ -40,7 +42,8 @@ def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[st
     (docs/dtypes.md). ``max_shard_size``: None (default) is the installed transformers'
     ``save_pretrained`` default, read from its signature (50GB on transformers 5, 5GB on 4.x).
     ``tp_rules``: ``["PATTERN=0|1|replicated", ...]`` for model-parallel parameters nothing else
-    describes. ``workers``: shards written at once from a thread pool. Under ``torchrun`` (``WORLD_SIZE``
+    describes. ``source_options``: ``{name: value}`` for the options sources declare (``OPTIONS`` in
+    their modules; a list for an option given several times). ``workers``: shards written at once from a thread pool. Under ``torchrun`` (``WORLD_SIZE``
     > 1) every rank calls it and the ranks split the shards. Options are checked before the
     checkpoint is read. Returns the writer's report, with the plan's ``notes`` (e.g. no config.json
     found). Raises a :class:`~.errors.CheckpointError` subclass for every refusal (an
@@ -57,7 +60,8 @@ def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[st
     from_user(dtype)
     if base is not None and not merge_adapters:
         raise OptionError("--base is only used with --merge-adapters")
-    plan = sources.build_plan(src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules)
+    plan = sources.build_plan(src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules,
+                              source_options=source_options)
     from .parallel import world_from_env, write_plan_parallel
 
     if (merge_adapters or plan.adapter is not None) and world_from_env() > 1 and os.environ.get("RANK", "0") != "0":
@@ -77,9 +81,10 @@ def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[st
 
 
 def verify_checkpoint(dst, against, *, tag: Optional[str] = None, config: Optional[str] = None,
-                      tp_rules=None) -> VerifyReport:
+                      tp_rules=None, source_options: Optional[Mapping[str, Any]] = None) -> VerifyReport:
     """Compare every tensor of the HF directory ``dst`` with the source ``against``, bitwise. The plan
     is derived afresh (no Hub-layout cache): verify never takes an answer from what export used."""
-    plan = sources.build_plan(against, tag=tag, config=config, tp_rules=tp_rules, layout_cache=False)
+    plan = sources.build_plan(against, tag=tag, config=config, tp_rules=tp_rules, source_options=source_options,
+                              layout_cache=False)
     with bad_metadata_as_input(dst):  # a hand-edited index or header of dst is bad input, not a bug
         return verify_plan(plan, dst)

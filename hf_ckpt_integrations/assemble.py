@@ -15,7 +15,7 @@ from .formats.dtypes import FLOATS as FLOAT_DTYPES, SIZES as DTYPE_SIZES, to_tor
 from .plan import Piece, TensorPlan
 from .safe_load import MappedFiles
 
-__all__ = ["assemble_chunks", "iter_bytes", "to_torch", "check_replicas", "check_module_copy",
+__all__ = ["assemble_chunks", "iter_bytes", "torch_tensor", "check_replicas", "check_module_copy",
            "FileRange", "FLOAT_DTYPES"]
 
 
@@ -61,7 +61,7 @@ def assemble_chunks(shape, chunks, files: MappedFiles):
     return out.reshape(-1)
 
 
-def to_torch(t: TensorPlan, files: MappedFiles):
+def torch_tensor(t: TensorPlan, files: MappedFiles):
     """The tensor ``t`` describes, in its source dtype (a copy only where merging needs one)."""
     import warnings
 
@@ -126,7 +126,7 @@ def _tied_copy_equal(t: TensorPlan, chunks, files: MappedFiles) -> bool:
         return all(_read_all(c.pieces, files) == _read_all(boxes[(tuple(c.offsets), tuple(c.sizes))].pieces, files)
                    for c in chunks)
     copy = TensorPlan.from_chunks(t.name, tuple(t.shape), t.src_dtype, chunks)
-    a, b = to_torch(t, files).contiguous(), to_torch(copy, files).contiguous()
+    a, b = torch_tensor(t, files).contiguous(), torch_tensor(copy, files).contiguous()
     import torch
 
     return a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
@@ -184,7 +184,7 @@ def iter_bytes(t: TensorPlan, out_dtype: str, files: MappedFiles, *, ranges: boo
 
             yield memoryview(cast_array(t.src_dtype, out_dtype, raw.view(NUMPY_BITS[t.src_dtype])).view("uint8"))
             return
-    tensor = to_torch(t, files).to(_torch_dtype(out_dtype)).contiguous()
+    tensor = torch_tensor(t, files).to(_torch_dtype(out_dtype)).contiguous()
     import torch
 
     yield memoryview(tensor.view(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")

@@ -47,31 +47,56 @@ def inspect_command_parser(subparsers=None):
     p.add_argument("src", help="DeepSpeed save dir, tag dir, or Trainer checkpoint-N dir")
     p.add_argument("--tag", help="tag to read (default: the one named by 'latest')")
     p.add_argument("--config", help="directory holding config.json (default: next to the checkpoint)")
-    _tp_rule_arg(p)
+    _source_args(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=inspect_command)
     return p
 
 
-def _tp_rule_arg(p):
+def _source_args(p):
     p.add_argument("--tp-rule", action="append", default=[], metavar="PATTERN=0|1|replicated",
                    help="how to merge model-parallel slices of parameters matching PATTERN (fnmatch) that "
                         "neither the checkpoint nor the HF config describes; repeatable")
+    from .sources.registry import declared_options
+
+    declared = declared_options()
+    p.add_argument("--source-option", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
+                   help="an option a source declares, repeatable; "
+                        + ("; ".join(f"{o.name}: {o.help}" for o in declared.values()) or "none declared"))
+
+
+def _key_value(text):
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
+def _source_options(args) -> dict:
+    """``--source-option KEY=VALUE`` pairs as the API takes them: a repeated key gives a list (the
+    registry checks each key and value against the sources' declarations)."""
+    out = {}
+    for key, value in args.source_option:
+        out.setdefault(key, []).append(value)
+    return {k: v[0] if len(v) == 1 else v for k, v in out.items()}
 
 
 def inspect_command(args) -> int:
     from .api import inspect_checkpoint
 
-    info = inspect_checkpoint(args.src, tag=args.tag, config=args.config, tp_rules=args.tp_rule)
+    info = inspect_checkpoint(args.src, tag=args.tag, config=args.config, tp_rules=args.tp_rule,
+                              source_options=_source_options(args))
     if args.json:
         print(json.dumps(info, indent=2))
         return EXIT_OK
-    stage = f" (ZeRO stage {info['zero_stage']})" if info["zero_stage"] is not None else ""
+    stage = f" (ZeRO stage {info['zero_stage']})" if info.get("zero_stage") is not None else ""
     written = f", written by {info['engine_version']}" if info.get("engine_version") else ""
     print(f"engine      {info['engine']}{stage}{written}")
     print(f"tag         {info['tag']}   source {info['source']}")
-    print(f"world       dp={info['dp_size']} mp={info['mp_size']} (mp axis: {info['mp_axis']})")
-    if info["mp_axis_reason"]:
+    if "dp_size" in info or "mp_size" in info:  # a source's world layout (ExportPlan.detail)
+        print(f"world       dp={info.get('dp_size', 1)} mp={info.get('mp_size', 1)} "
+              f"(mp axis: {info.get('mp_axis', 'none')})")
+    if info.get("mp_axis_reason"):
         print(f"            {info['mp_axis_reason']}")
     merged = [t for t in info["tensors"] if t["rule"]]
     if merged:
@@ -145,7 +170,7 @@ def export_command_parser(subparsers=None):
                         "default, read from its signature: 50GB on transformers 5, 5GB on 4.x)")
     p.add_argument("--config", help="directory holding config.json/tokenizer files to copy "
                    "(default: next to the checkpoint)")
-    _tp_rule_arg(p)
+    _source_args(p)
     p.add_argument("--overwrite", action="store_true", help="replace dst if it exists (atomically)")
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="write N shards at once from threads in this process (default 1); under torchrun "
@@ -166,7 +191,8 @@ def export_command(args) -> int:
     # Under `torchrun --nproc_per_node N -m hf_ckpt_integrations export ...` the ranks split the shards.
     report = export_checkpoint(args.src, args.dst, tag=args.tag, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                config=args.config, overwrite=args.overwrite, quiet=args.quiet, tp_rules=args.tp_rule,
-                               workers=args.workers, merge_adapters=args.merge_adapters, base=args.base)
+                               workers=args.workers, merge_adapters=args.merge_adapters, base=args.base,
+                               source_options=_source_options(args))
     if os.environ.get("RANK", "0") != "0":
         return EXIT_OK
     for note in [n for n in report.get("notes", []) if "config.json" in n] + report.get("warnings", []):
@@ -183,7 +209,7 @@ def verify_command_parser(subparsers=None):
     p.add_argument("--against", required=True, help="the source checkpoint it was exported from")
     p.add_argument("--tag", help="tag of the source (default: the one named by 'latest')")
     p.add_argument("--config", help="directory holding config.json (default: next to the source)")
-    _tp_rule_arg(p)
+    _source_args(p)
     p.set_defaults(func=verify_command)
     return p
 
@@ -191,7 +217,8 @@ def verify_command_parser(subparsers=None):
 def verify_command(args) -> int:
     from .api import verify_checkpoint
 
-    report = verify_checkpoint(args.dst, args.against, tag=args.tag, config=args.config, tp_rules=args.tp_rule)
+    report = verify_checkpoint(args.dst, args.against, tag=args.tag, config=args.config, tp_rules=args.tp_rule,
+                               source_options=_source_options(args))
     if report.ok:
         print(f"ok: {report.checked} tensors bitwise equal to {args.against}")
         return EXIT_OK
@@ -214,7 +241,7 @@ def build_parser():
 
 class Stopped(KeyboardInterrupt):
     """SIGTERM or SIGHUP (what a scheduler or a closed terminal sends), raised where the program
-    is, so every ``with Staging(...)`` on the way out removes what it staged, as for Ctrl-C."""
+    is, so the commit strategy on the way out removes what it staged, as for Ctrl-C."""
 
     def __init__(self, signum):
         super().__init__(signum)

@@ -52,8 +52,8 @@ from .formats.names import SAVED_WEIGHTS_RE
 from .guards import check_destination, is_or_holds
 from .outfiles import NOFOLLOW, create_file, open_dir, open_new
 
-__all__ = ["CommitStrategy", "SiblingSwap", "MergeIntoCheckpoint", "DirLock", "fsync_dir", "disk_error",
-           "TMP_MARKER", "LOCK_SUFFIX", "STAGING_NAME", "WEIGHT_FILE_RE", "OWNER_SUFFIX", "PACKAGE"]
+__all__ = ["CommitStrategy", "SiblingSwap", "MergeIntoCheckpoint", "DirLock", "fsync_path", "disk_error",
+           "TMP_MARKER", "LOCK_SUFFIX", "STAGING_NAME", "weight_files", "OWNER_SUFFIX", "PACKAGE"]
 
 TMP_MARKER = ".hfckpt-tmp-"
 LOCK_SUFFIX = ".hfckpt-lock"
@@ -65,11 +65,10 @@ _JOURNAL_LIMIT = 1 << 20
 OWNER_SUFFIX = ".owner"
 PACKAGE = "hf_ckpt_integrations"
 _MARKER_LIMIT = 4096
-# Weight files save_pretrained / Accelerate may have written (replaced as a whole set, never mixed).
-WEIGHT_FILE_RE = SAVED_WEIGHTS_RE
 
 
-def fsync_dir(path) -> None:
+def fsync_path(path) -> None:
+    """fsync a file, or a directory (its entries: a rename or a new file in it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -337,7 +336,7 @@ class CommitStrategy:
 class SiblingSwap(CommitStrategy):
     """A temporary sibling of ``dst`` that becomes ``dst`` on commit, or vanishes.
 
-    Also a context manager (the old ``writer.Staging``): ``with SiblingSwap(dst, overwrite=...) as
+    Also a context manager: ``with SiblingSwap(dst, overwrite=...) as
     tmp: ...write into tmp...`` commits on a clean exit and aborts on an exception.
 
     Crash and concurrency safety (docs/reliability.md):
@@ -473,7 +472,7 @@ class SiblingSwap(CommitStrategy):
             return
         self._state = "done"
         try:
-            fsync_dir(self.path)
+            fsync_path(self.path)
             with _signals_held():  # an interrupt lands before the swap or after its cleanup
                 self._swap()
             os.fsync(self._dir)
@@ -519,10 +518,10 @@ class MergeIntoCheckpoint(CommitStrategy):
     staging directory — only one a dead writer of ours marked; anything else at that name is
     refused, never read, moved or removed. ``commit(names)`` writes the journal (the staged names)
     into the staging directory, then, in ``dst``: removes the weight index files
-    (:data:`WEIGHT_FILE_RE`) — so no index names a file of the other set — moves the staged files
-    in (index files last), and with ``replace_existing`` removes the previous save's weight files
-    not in the new set. Every step is idempotent, so a rerun from the journal finishes an
-    interrupted commit.
+    (:data:`~.formats.names.SAVED_WEIGHTS_RE`) — so no index names a file of the other set — moves
+    the staged files in (index files last), and with ``replace_existing`` removes the previous
+    save's weight files not in the new set. Every step is idempotent, so a rerun from the journal
+    finishes an interrupted commit.
     """
 
     def __init__(self, dst, *, replace_existing: bool = True):
@@ -639,14 +638,14 @@ class MergeIntoCheckpoint(CommitStrategy):
         try:
             try:
                 for n in names:
-                    _fsync_file(os.path.join(self.path, n))
+                    fsync_path(os.path.join(self.path, n))
                 tmp = os.path.join(self.path, _JOURNAL + ".tmp")
                 with open_new(tmp, "w", encoding="utf-8") as fh:
                     json.dump({"files": names, "replace_existing": self.replace_existing}, fh)
                     fh.flush()
                     os.fsync(fh.fileno())
                 os.replace(tmp, os.path.join(self.path, _JOURNAL))
-                fsync_dir(self.path)
+                fsync_path(self.path)
             except OSError as e:  # nothing moved yet
                 self._discard_staging()
                 raise disk_error(self.dst, e) from e
@@ -659,16 +658,16 @@ class MergeIntoCheckpoint(CommitStrategy):
         keep = set(names)
         pending = [n for n in names if os.path.lexists(os.path.join(self.path, n))]
         if pending:
-            for n in _weight_files(self.dst):
+            for n in weight_files(self.dst):
                 if n.endswith(".index.json"):
                     os.remove(os.path.join(self.dst, n))
         for n in pending:  # a rename replaces a link at the target name, never writes through it
             os.replace(os.path.join(self.path, n), os.path.join(self.dst, n))
         if replace_existing:
-            for n in _weight_files(self.dst):
+            for n in weight_files(self.dst):
                 if n not in keep:
                     os.remove(os.path.join(self.dst, n))
-        fsync_dir(self.dst)
+        fsync_path(self.dst)
         shutil.rmtree(self.path, ignore_errors=True)
         try:
             os.unlink(os.path.join(self.dst, STAGING_NAME + OWNER_SUFFIX))
@@ -682,19 +681,12 @@ def _plain_name(n) -> bool:
             and "\0" not in n and not n.startswith(".hfckpt"))
 
 
-def _weight_files(directory) -> List[str]:
+def weight_files(directory) -> List[str]:
+    """The weight files (and their index) in ``directory``, sorted; [] when it does not exist."""
     try:
-        return sorted(n for n in os.listdir(directory) if WEIGHT_FILE_RE.match(n))
+        return sorted(n for n in os.listdir(directory) if SAVED_WEIGHTS_RE.match(n))
     except FileNotFoundError:
         return []
-
-
-def _fsync_file(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 _HELD = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))

@@ -6,10 +6,10 @@ Offline export (:func:`~.writer.write_plan`, one process), rank-parallel export
 a commit strategy (:mod:`.commit`) and call :func:`write`. Call order — every rank of ``comm``
 calls :func:`write` with the same tensor names, sizes and order; "rank 0" is rank 0 of ``comm``:
 
-1. **prepare** (rank 0): ``strategy.begin()`` checks and locks the destination and creates the
-   staging directory; :func:`assign` splits the tensors into shards (``huggingface_hub``'s split,
-   so the names match ``save_pretrained``) and assigns each shard to a rank, once. Both are
-   broadcast (one collective); a refusal raises on every rank.
+1. **prepare** (rank 0, :meth:`~.comm.Comm.on_rank0`): ``strategy.begin()`` checks and locks the
+   destination and creates the staging directory; :func:`assign` splits the tensors into shards
+   (``huggingface_hub``'s split, so the names match ``save_pretrained``) and assigns each shard to a
+   rank, once. Both are broadcast (one collective); a refusal raises on every rank.
 2. **bind** (every rank): a live source's plan (:class:`~.plan.TensorPlan` with
    :class:`~.plan.LivePiece`\ s) becomes the tensors to write, each read given the rank the
    assignment names (a live ZeRO-3 or ColossalAI source sends its pieces only to that rank); a
@@ -19,11 +19,11 @@ calls :func:`write` with the same tensor names, sizes and order; "rank 0" is ran
    directory (:func:`~.writer.write_shard`, fsynced); with ``collective`` (reading a tensor is a
    collective), every other rank walks the same tensors in :func:`~.writer.shard_order` and calls
    their ``drain()`` — also a rank whose own write failed, so nobody hangs.
-4. **gather failures** (every rank, one ``all_gather``): if any rank failed, rank 0
-   ``strategy.abort()``\\ s and every rank raises :class:`WriteError` with all ranks' messages.
-5. **commit** (rank 0): the index (sharded only), ``finish(staging)`` (config files), then
-   ``strategy.commit(names)``; the outcome is broadcast, so every rank returns the same report or
-   raises the same :class:`WriteError`.
+4. **gather failures** (every rank, :meth:`~.comm.Comm.all_ok`): if any rank failed, rank 0
+   ``strategy.abort()``\\ s and every rank raises :class:`~.comm.WriteError` with all ranks' messages.
+5. **commit** (rank 0, :meth:`~.comm.Comm.on_rank0`): the index (sharded only), ``finish(staging)``
+   (config files), then ``strategy.commit(names)``; every rank returns the same report or raises
+   the same :class:`~.comm.WriteError`.
 
 With one process (``comm`` of world 1) there are no collectives and a failure raises the
 original error (a :class:`~.errors.CheckpointError`), as a plain export always has.
@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from .comm import Comm, WriteError, failure_message
 from .commit import CommitStrategy, disk_error
 from .errors import CheckpointError, DestinationError
 from .formats import names
@@ -44,78 +45,7 @@ from .outfiles import open_new
 from .plan import TensorPlan
 from .writer import MAX_SHARD_SIZE, OutTensor, progress_bar, shard_order, write_shard
 
-__all__ = ["WriteError", "Comm", "TorchComm", "Assignment", "assign", "write", "live_out_tensors", "BIN_PATTERN",
-           "BIN_INDEX_NAME"]
-
-
-class WriteError(DestinationError):
-    """A write failed on one or more ranks; raised on every rank with the same message.
-
-    ``failures`` maps each failed rank to its message (as DCP's ``CheckpointException.failures``).
-    Nothing of this write is visible at the destination.
-    """
-
-    def __init__(self, what: str, failures: Dict[int, str], consequence: str = "nothing was written"):
-        self.what = what
-        self.failures = {int(r): str(m) for r, m in failures.items()}
-        lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(self.failures.items()))
-        super().__init__(f"{what} failed on rank(s) {sorted(self.failures)} — {lines}; {consequence}")
-
-    def __reduce__(self):
-        return (type(self), (self.what, self.failures))
-
-
-class Comm:
-    """The ranks writing together. This base is one process: no collectives."""
-
-    rank = 0
-    world = 1
-
-    def broadcast(self, obj):
-        """Rank 0's ``obj`` on every rank."""
-        return obj
-
-    def all_gather(self, obj) -> list:
-        return [obj]
-
-    def barrier(self) -> None:
-        pass
-
-
-class TorchComm(Comm):
-    """``torch.distributed`` (``group``, default the world): a few small pickled objects travel."""
-
-    def __init__(self, dist=None, group=None):
-        if dist is None:
-            import torch.distributed as dist
-        self.dist, self.group = dist, group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-
-    def broadcast(self, obj):
-        box = [obj]
-        src = 0 if self.group is None else self.dist.get_global_rank(self.group, 0)
-        self.dist.broadcast_object_list(box, src=src, group=self.group)
-        return box[0]
-
-    def all_gather(self, obj) -> list:
-        out: List = [None] * self.world
-        self.dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def barrier(self) -> None:
-        self.dist.barrier(group=self.group)
-
-
-def default_comm() -> Comm:
-    """:class:`TorchComm` of the default group when ``torch.distributed`` is initialised, else one
-    process. (Never Accelerate's state, which on a CPU-only DeepSpeed launch reports one process.)"""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return Comm()
-    if dist.is_available() and dist.is_initialized():
-        return TorchComm(dist)
-    return Comm()
+__all__ = ["Assignment", "assign", "write", "live_out_tensors", "BIN_PATTERN", "BIN_INDEX_NAME"]
 
 
 @dataclass
@@ -156,10 +86,6 @@ def assign(tensors: Sequence[OutTensor], max_shard_size, world: int, *, fmt: str
     return Assignment(shards, [i % world for i in range(len(shards))], split.is_sharded)
 
 
-def _message(e: BaseException) -> str:
-    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-
-
 def write(tensors: Sequence[OutTensor], strategy: Optional[CommitStrategy], *, comm: Optional[Comm] = None,
           max_shard_size=MAX_SHARD_SIZE, fmt: str = "safetensors", collective: bool = False,
           bind: Optional[Callable[[Assignment], Sequence[OutTensor]]] = None,
@@ -193,17 +119,8 @@ def write(tensors: Sequence[OutTensor], strategy: Optional[CommitStrategy], *, c
     # From the moment begin() stages a directory, any exception or interrupt (SIGTERM arriving
     # during the assignment or the broadcast) must reach the abort below.
     try:
-        box = None
-        if rank == 0:
-            try:
-                box = (strategy.begin(), assign(tensors, max_shard_size, world, fmt=fmt), None)
-            except CheckpointError as e:
-                if world == 1:
-                    raise
-                box = (None, None, str(e))
-        staging, assignment, refusal = comm.broadcast(box)
-        if refusal is not None:
-            raise DestinationError(refusal)
+        staging, assignment = comm.on_rank0(lambda: (strategy.begin(), assign(tensors, max_shard_size, world, fmt=fmt)),
+                                            what, consequence)
         return _write_staged(tensors, strategy, comm, assignment, staging, fmt, collective, bind, finish, what,
                              consequence, workers, quiet, started)
     except BaseException as e:  # an interrupt (SIGINT/SIGTERM) too: rank 0 removes what it staged
@@ -230,23 +147,24 @@ def _write_staged(tensors, strategy, comm, assignment, staging, fmt, collective,
     except Exception as e:  # every failure must reach the collective below, or the others hang
         if world == 1:
             raise
-        error = _message(e)
+        error = failure_message(e)
 
     # 4. every rank learns every failure.
-    failures = {r: m for r, m in enumerate(comm.all_gather(error)) if m is not None}
-    if failures:
+    try:
+        comm.all_ok(error, what, consequence)
+    except WriteError:
         if rank == 0:
             strategy.abort()
         comm.barrier()  # the staging directory is gone when any rank raises
-        raise WriteError(what, failures, consequence)
+        raise
 
     # 5. rank 0 finishes the directory and commits it.
     by_name = {t.name: t for t in tensors}
     report = {"shards": len(assignment.shards), "shard_files": sorted(f for f, _ in assignment.shards),
               "sharded": assignment.sharded, "tensor_bytes": sum(t.nbytes for t in tensors), "world_size": world,
               "shards_by_rank": assignment.by_rank()}
-    outcome = None
-    if rank == 0:
+
+    def commit():
         try:
             if assignment.sharded:
                 names.write_index(staging, assignment.tensor_to_file, total_size=report["tensor_bytes"],
@@ -255,20 +173,18 @@ def _write_staged(tensors, strategy, comm, assignment, staging, fmt, collective,
             extra = finish(staging, list(by_name.values())) if finish is not None else {}
             staged = sorted(os.listdir(staging))
             strategy.commit(staged)
-            dst = strategy.dst
-            outcome = {**extra, "destination": dst, "files": staged,
-                       "bytes_on_disk": sum(os.path.getsize(os.path.join(dst, n)) for n in staged)}
-            left = list(getattr(strategy, "warnings", ()))  # entries named like ours it left alone
-            if left:
-                outcome["warnings"] = left + list(extra.get("warnings", ()))
-        except Exception as e:
-            if world == 1:
-                raise  # write() aborts and reports it
-            strategy.abort()
-            outcome = _message(e)
-    outcome = comm.broadcast(outcome)
-    if isinstance(outcome, str):
-        raise WriteError(what, {0: outcome}, consequence)
+        except Exception:
+            strategy.abort()  # (one process: write() aborts again, a no-op)
+            raise
+        dst = strategy.dst
+        outcome = {**extra, "destination": dst, "files": staged,
+                   "bytes_on_disk": sum(os.path.getsize(os.path.join(dst, n)) for n in staged)}
+        left = list(getattr(strategy, "warnings", ()))  # entries named like ours it left alone
+        if left:
+            outcome["warnings"] = left + list(extra.get("warnings", ()))
+        return outcome
+
+    outcome = comm.on_rank0(commit, what, consequence)
     return {**report, **outcome, "written_here": written, "seconds": round(time.perf_counter() - started, 3)}
 
 
@@ -388,7 +304,7 @@ def drain(t: OutTensor) -> None:
 
 def write_bin_shard(path, tensors: Sequence[OutTensor], progress=None) -> int:
     """``torch.save`` of one shard, each tensor owning exactly its bytes (one shard in memory, never
-    a view of a flat buffer — seed 002); fsynced. Returns the tensor bytes written."""
+    a view of a flat buffer, whose whole storage torch.save would write); fsynced. Returns the tensor bytes written."""
     import torch
 
     from .formats.dtypes import to_torch

@@ -11,7 +11,7 @@ that sets the ``torch.distributed`` env: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR
    must be on a file system all ranks share);
 2. every rank writes its shards into it (:func:`~.writer.write_shard`, one at a time, fsynced);
 3. all ranks exchange their failures: if any rank failed, rank 0 removes the staging directory
-   and every rank raises :class:`~.orchestrator.WriteError` (``ParallelExportError``);
+   and every rank raises :class:`~.comm.WriteError`;
 4. otherwise rank 0 writes the index and config files and renames the directory into place,
    and broadcasts the outcome, so every rank returns the same report or raises.
 
@@ -23,28 +23,18 @@ only a few small objects travel; the data never leaves the file system).
 import os
 from typing import Optional
 
-from .orchestrator import TorchComm, WriteError, write
+from .comm import torchrun_comm
+from .orchestrator import write
 from .plan import ExportPlan
 from .safe_load import MappedFiles
 from .writer import MAX_SHARD_SIZE, check_max_shard_size, export_finisher, export_strategy, plan_tensors
 
-__all__ = ["ParallelExportError", "write_plan_parallel", "world_from_env"]
-
-# The old name of the one failure type (``failures``: rank -> message).
-ParallelExportError = WriteError
+__all__ = ["write_plan_parallel", "world_from_env"]
 
 
 def world_from_env() -> int:
     """``WORLD_SIZE`` as set by torchrun (1 when absent): the CLI's test for taking this path."""
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
-
-
-def _dist():
-    try:
-        import torch.distributed as dist
-    except ImportError as e:  # pragma: no cover - torch is a dependency of every supported setup
-        raise ImportError("rank-parallel export needs torch.distributed: pip install torch") from e
-    return dist
 
 
 def write_plan_parallel(plan: Optional[ExportPlan], dst, *, dtype: Optional[str] = None, max_shard_size=MAX_SHARD_SIZE,
@@ -56,25 +46,17 @@ def write_plan_parallel(plan: Optional[ExportPlan], dst, *, dtype: Optional[str]
     exists, and destroys it again before returning. Returns, on every rank, the report
     :func:`~.writer.write_plan` returns plus ``world_size`` and ``shards_by_rank``. Raises
     :class:`~.errors.DestinationError` (rank 0's own check of ``dst``) or
-    :class:`~.orchestrator.WriteError` (failures collected from all ranks) on every rank; in both
+    :class:`~.comm.WriteError` (failures collected from all ranks) on every rank; in both
     cases nothing is left at ``dst`` but what was there before.
     """
     max_shard_size = check_max_shard_size(max_shard_size)  # the same answer on every rank, before any collective
-    dist = _dist()
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group(backend="gloo")
-    try:
-        comm = TorchComm(dist, group)
+    with torchrun_comm(group) as comm:
         plan = comm.broadcast(plan if comm.rank == 0 else None)
         strategy = export_strategy(dst, plan, overwrite=overwrite)
         with MappedFiles() as files:
             tensors = plan_tensors(plan, dtype, files, ranges=True)
             report = write(tensors, strategy, comm=comm, max_shard_size=max_shard_size, finish=export_finisher(plan),
                            quiet=quiet, what=f"{os.path.abspath(os.fspath(dst))}: rank-parallel export")
-    finally:
-        if created:
-            dist.destroy_process_group()
     keys = ("destination", "files", "shards", "tensor_bytes", "bytes_on_disk", "config_files", "warnings", "seconds",
             "world_size", "shards_by_rank")
     return {k: report[k] for k in keys}

@@ -198,13 +198,14 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
     no local base; :class:`~.errors.LayoutError` when the adapter and the base do not fit. Nothing
     is written then.
     """
-    from .assemble import to_torch
+    from .assemble import torch_tensor
     from .safe_load import MappedFiles
     from .sources import build_plan
     from .sources.peft import check_lora_config, pattern_budget, read_adapter_config
     from .commit import SiblingSwap
     from .orchestrator import write
-    from .writer import OutTensor, check_max_shard_size, copy_config_files, plan_inputs, plan_tensors
+    from .formats.config import write_config
+    from .writer import OutTensor, check_max_shard_size, plan_inputs, plan_tensors
 
     started = time.perf_counter()
     if adapter_plan.adapter is None:
@@ -246,9 +247,9 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
             emb = "lora_embedding_A" in parts
             a_plan, b_plan = (parts["lora_embedding_A"], parts["lora_embedding_B"]) if emb else \
                 (parts["lora_A"], parts["lora_B"])
-            a = to_torch(a_plan, files).reshape(a_plan.shape).to(torch.float32)
-            b = to_torch(b_plan, files).reshape(b_plan.shape).to(torch.float32)
-            w = to_torch(wt, files).reshape(wt.shape).to(torch.float32, copy=True)
+            a = torch_tensor(a_plan, files).reshape(a_plan.shape).to(torch.float32)
+            b = torch_tensor(b_plan, files).reshape(b_plan.shape).to(torch.float32)
+            w = torch_tensor(wt, files).reshape(wt.shape).to(torch.float32, copy=True)
             was_finite = torch.isfinite(w)
             delta = b @ a
             if transpose:
@@ -281,7 +282,8 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
             out[by_name[name]] = OutTensor(name, d, tuple(bt.shape), lambda at=at, d=d: iter_bytes(at, d, files))
 
         def finish(staging, tensors):
-            copied = copy_config_files(base_plan.config_dir, staging, skipped, tensors=tensors)
+            copied = write_config(staging, config_dir=base_plan.config_dir, skipped=skipped,
+                                  tensor_dtypes=[t.dtype for t in tensors])
             return {"config_files": copied, "warnings": skipped}
 
         strategy = SiblingSwap(dst, overwrite=overwrite, inputs=plan_inputs(adapter_plan) + plan_inputs(base_plan),

@@ -16,13 +16,12 @@ narrowed pieces (:func:`narrow_pieces`), so the copy stays a byte-range copy.
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .formats.dtypes import FLOATS, SIZES, USER_NAMES as DTYPE_NAMES, from_user as dtype_from_name
+from .formats.dtypes import FLOATS, SIZES, from_user as dtype_from_name
 
-__all__ = ["Piece", "LivePiece", "Chunk", "TensorPlan", "ExportPlan", "DTYPE_NAMES", "dtype_from_name",
-           "narrow_pieces", "check_tiling", "row_major_pieces", "parts_as_chunks", "check_plan", "decide_dtypes"]
-# DTYPE_NAMES / dtype_from_name: the user dtype names of :mod:`.formats.dtypes`, kept importable here.
+__all__ = ["Piece", "LivePiece", "Chunk", "TensorPlan", "ExportPlan", "narrow_pieces", "check_tiling",
+           "row_major_pieces", "parts_as_chunks", "check_plan", "decide_dtypes"]
 
 
 @dataclass(frozen=True)
@@ -324,15 +323,15 @@ class TensorPlan:
 
 @dataclass
 class ExportPlan:
-    """Everything ``export`` will do, decided before a byte is written."""
+    """Everything ``export`` will do, decided before a byte is written.
+
+    ``detail`` holds what only one source knows about its checkpoint, shown by ``inspect`` beside
+    the common fields (DeepSpeed: ``zero_stage``, ``dp_size``, ``mp_size``, ``mp_axis``,
+    ``mp_axis_reason``; torch DCP: ``dp_size``); JSON-able values only."""
 
     engine: str
     source: str
     tag: Optional[str]
-    stage: Optional[int]
-    dp_size: int
-    mp_size: int
-    mp_axis: str  # "none" | "tp" | "replica"
     tensors: List[TensorPlan]
     aliases: Dict[str, str] = field(default_factory=dict)  # tied name -> stored name
     dtypes: Dict[str, str] = field(default_factory=dict)  # what the checkpoint holds: kind -> dtype
@@ -340,7 +339,7 @@ class ExportPlan:
     files: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     padding_removed: Dict[str, Tuple[int, int]] = field(default_factory=dict)  # name -> (rows before, after)
-    mp_axis_reason: Optional[str] = None
+    detail: Dict[str, Any] = field(default_factory=dict)  # the source's own facts (see the class doc)
     engine_version: Optional[str] = None  # the engine release that wrote the files (DeepSpeed's ds_version)
     conversions: List[dict] = field(default_factory=list)  # Hub-layout splits/renames (hub_layout)
     out_dtype: Optional[str] = None  # floating tensors are written in it; None: each as stored
@@ -381,16 +380,8 @@ class ExportPlan:
         by_kind: Dict[str, int] = {}
         for t in self.tensors:
             by_kind[t.kind] = by_kind.get(t.kind, 0) + 1
-        return {
-            "engine": self.engine,
-            "engine_version": self.engine_version,
-            "source": self.source,
-            "tag": self.tag,
-            "zero_stage": self.stage,
-            "dp_size": self.dp_size,
-            "mp_size": self.mp_size,
-            "mp_axis": self.mp_axis,
-            "mp_axis_reason": self.mp_axis_reason,
+        head = {"engine": self.engine, "engine_version": self.engine_version, "source": self.source, "tag": self.tag}
+        rest = {
             "dtypes": self.dtypes,
             "out_dtype": self.out_dtype,
             "tensor_count": len(self.tensors),
@@ -415,6 +406,8 @@ class ExportPlan:
                 for t in self.tensors
             ],
         }
+        detail = {k: v for k, v in self.detail.items() if k not in head and k not in rest}  # never overrides
+        return {**head, **detail, **rest}
 
 
 def decide_dtypes(plan: ExportPlan, dtype: Optional[str] = None, keep=None) -> ExportPlan:

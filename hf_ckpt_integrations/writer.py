@@ -10,10 +10,10 @@ gives the call order; commit strategies are in :mod:`.commit`):
 
 1. :func:`split_shards` decides which tensor goes in which file (sizes only, no data);
 2. :func:`write_shard` streams one file (header, then each tensor's bytes from its ``chunks``);
-3. :func:`write_index` and :func:`copy_config_files` finish the directory.
+3. :func:`write_index` and :func:`~.formats.config.write_config` (the config and tokenizer files)
+   finish the directory.
 
-:func:`write_plan` is the offline front end: one process, :class:`~.commit.SiblingSwap`
-(``Staging`` is its old name).
+:func:`write_plan` is the offline front end: one process, :class:`~.commit.SiblingSwap`.
 """
 
 import errno
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 from .assemble import FileRange, iter_bytes
-from .commit import TMP_MARKER, SiblingSwap, disk_error, fsync_dir
+from .commit import TMP_MARKER, SiblingSwap, disk_error
 from .errors import DestinationError, OptionError
 from .formats import names
-from .formats.config import record_dtype, write_config
+from .formats.config import write_config
 from .formats.dtypes import SIZES as DTYPE_SIZES, from_user as dtype_from_name
 from .formats.names import CONFIG_FILES, MAX_SHARD_SIZE, SAFETENSORS_INDEX as INDEX_NAME
 from .formats.names import SAFETENSORS_PATTERN as SAFETENSORS_FILENAME_PATTERN
@@ -38,14 +38,9 @@ from .outfiles import open_new
 from .plan import ExportPlan, decide_dtypes
 from .safe_load import MappedFiles
 
-__all__ = ["OutTensor", "split_shards", "shard_order", "write_shard", "write_index", "copy_config_files", "Staging",
-           "set_config_dtype", "write_plan", "MAX_SHARD_SIZE", "SAFETENSORS_FILENAME_PATTERN", "INDEX_NAME",
-           "TMP_MARKER", "CONFIG_FILES", "check_max_shard_size", "check_workers", "plan_inputs", "export_strategy", "fsync_dir",
+__all__ = ["OutTensor", "split_shards", "shard_order", "write_shard", "write_index", "write_plan", "MAX_SHARD_SIZE", "SAFETENSORS_FILENAME_PATTERN", "INDEX_NAME",
+           "TMP_MARKER", "CONFIG_FILES", "check_max_shard_size", "check_workers", "plan_inputs", "export_strategy",
            "disk_error", "export_finisher"]
-
-# The old name of the export commit strategy (:class:`~.commit.SiblingSwap`).
-Staging = SiblingSwap
-
 
 @dataclass
 class OutTensor:
@@ -194,17 +189,9 @@ def write_index(directory, split, tensors: Sequence[OutTensor]) -> None:
                       total_parameters=sum(t.nbytes // DTYPE_SIZES[t.dtype] for t in tensors))
 
 
-def copy_config_files(config_dir: Optional[str], directory, skipped: Optional[List[str]] = None, *,
-                      tensors: Optional[Sequence[OutTensor]] = None) -> List[str]:
-    """The config files of ``config_dir`` copied into ``directory``, ``config.json`` recording the
-    dtype of ``tensors`` (:func:`~.formats.config.write_config`, the one config writer)."""
-    return write_config(directory, config_dir=config_dir, skipped=skipped,
-                        tensor_dtypes=[t.dtype for t in tensors or ()])
-
-
 def copy_adapter_config(path: str, directory, skipped: List[str]) -> List[str]:
     """Copy the ``adapter_config.json`` at ``path`` into ``directory`` (a regular file only, as
-    :func:`copy_config_files`); return the names copied."""
+    :func:`~.formats.config.copy_config_files`); return the names copied."""
     problem = copyable_problem(path, os.path.dirname(path))
     if problem is not None:
         skipped.append(problem)
@@ -213,11 +200,6 @@ def copy_adapter_config(path: str, directory, skipped: List[str]) -> List[str]:
     with open(os.path.realpath(path), "rb") as src, open_new(os.path.join(directory, name)) as out:
         shutil.copyfileobj(src, out)
     return [name]
-
-
-def set_config_dtype(directory, tensors: Sequence[OutTensor]) -> None:
-    """``directory/config.json`` records the dtype of ``tensors`` (:func:`~.formats.config.record_dtype`)."""
-    record_dtype(directory, [t.dtype for t in tensors])
 
 
 def progress_bar(total, desc, quiet):
@@ -255,7 +237,7 @@ def write_plan(plan: ExportPlan, dst, *, dtype: Optional[str] = None, max_shard_
     Raises :class:`DestinationError` when ``dst`` exists (without ``overwrite``), is or holds or lies
     inside the source, or cannot be written; :class:`~.errors.OptionError` for a bad option; on any
     failure nothing is left behind but what was at ``dst`` before. Config files that are not copied
-    (:func:`copy_config_files`) are listed in the report's ``warnings``.
+    (:func:`~.formats.config.copy_config_files`) are listed in the report's ``warnings``.
     """
     from .orchestrator import write
 
@@ -276,7 +258,8 @@ def export_finisher(plan: ExportPlan):
         skipped: List[str] = []
         if plan.adapter is not None:  # a PEFT adapter directory: its adapter_config.json, no model config
             return {"config_files": copy_adapter_config(plan.adapter["config"], staging, skipped), "warnings": skipped}
-        copied = copy_config_files(plan.config_dir, staging, skipped, tensors=tensors)
+        copied = write_config(staging, config_dir=plan.config_dir, skipped=skipped,
+                              tensor_dtypes=[t.dtype for t in tensors])
         return {"config_files": copied, "warnings": skipped}
     return finish
 

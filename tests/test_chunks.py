@@ -78,7 +78,7 @@ def test_check_plan_refuses_slices_that_do_not_tile():
 
     t = TensorPlan("w", (4, 7), "F32", [[Piece("a", 0, 12, "F32")], [Piece("b", 0, 16, "F32")]], cat_dim=1,
                    part_shapes=[(4, 3), (4, 4)])
-    plan = ExportPlan("x", "src", None, None, 1, 2, "tp", [t])
+    plan = ExportPlan("x", "src", None, [t])
     check_plan(plan)
     t.part_shapes = [(4, 3), (5, 4)]
     t.parts[1] = [Piece("b", 0, 20, "F32")]
@@ -107,7 +107,7 @@ def test_nd_chunks_assemble_bitwise(tmp_path, dtype, np_dtype):
     for f, b in zip(files, blobs):
         f.write_bytes(bytes(b))
     t = TensorPlan.from_chunks("w", shape, dtype, chunks)
-    check_plan(ExportPlan("x", "src", None, None, 1, 1, "none", [t]))
+    check_plan(ExportPlan("x", "src", None, [t]))
     assert not t.is_byte_copy
     decided = dtype
     t.out_dtype = decided
@@ -137,7 +137,7 @@ def test_inspect_json_shows_chunks_and_the_decided_dtype():
 
     t = TensorPlan("w", (4, 6), "F32", [[Piece("a", 0, 12, "F32")], [Piece("b", 0, 12, "F32")]], cat_dim=1,
                    part_shapes=[(4, 3), (4, 3)])
-    plan = decide_dtypes(ExportPlan("x", "src", None, None, 1, 2, "tp", [t], dtypes={"master": "F32"}), "bf16")
+    plan = decide_dtypes(ExportPlan("x", "src", None, [t], dtypes={"master": "F32"}), "bf16")
     (row,) = plan.summary()["tensors"]
     assert row["chunks"] == [{"offsets": [0, 0], "sizes": [4, 3], "pieces": 1},
                              {"offsets": [0, 3], "sizes": [4, 3], "pieces": 1}]

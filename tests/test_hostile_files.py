@@ -280,7 +280,7 @@ def test_check_plan_on_synthetic_plans():
     from hf_ckpt_integrations.plan import ExportPlan, Piece, TensorPlan, check_plan
 
     def plan(*tensors):
-        return ExportPlan("x", "src", None, None, 1, 1, "none", list(tensors))
+        return ExportPlan("x", "src", None, list(tensors))
 
     def t(name, shape=(2,), numel=2, dtype="F32"):
         return TensorPlan(name, shape, dtype, [[Piece("f", 0, numel, dtype)]])

@@ -4,7 +4,7 @@ read as element ranges, the plan transforms that serve them, and the refusals.""
 import pytest
 import torch
 
-from hf_ckpt_integrations.assemble import to_torch
+from hf_ckpt_integrations.assemble import torch_tensor
 from hf_ckpt_integrations.errors import LayoutError
 from hf_ckpt_integrations.plan import Piece, TensorPlan, narrow_pieces
 from hf_ckpt_integrations.safe_load import MappedFiles
@@ -98,8 +98,8 @@ def test_narrowed_byte_copy_stays_pieces_and_merged_tensor_gets_an_element_range
             for half in range(2):
                 t = merged.narrowed(f"experts.{e}.{half}", (2, 2), e * 8 + half * 4)
                 assert t.elem_range == (e * 8 + half * 4, e * 8 + half * 4 + 4) and not t.is_byte_copy
-                assert torch.equal(to_torch(t, files), fused[e, 2 * half:2 * half + 2])
-        assert torch.equal(to_torch(plain.narrowed("e2", (4, 2), 16), files), fused[2])
+                assert torch.equal(torch_tensor(t, files), fused[e, 2 * half:2 * half + 2])
+        assert torch.equal(torch_tensor(plain.narrowed("e2", (4, 2), 16), files), fused[2])
 
 
 def test_live_tensors_of_a_plain_moe_model_equal_save_pretrained(tmp_path):

@@ -79,7 +79,7 @@ def test_trained_dtype_ignores_the_fp32_kept_modules():
 
 
 def _plan(t, **kw):
-    return ExportPlan("x", "src", None, 2, 1, 1, "none", [t], **kw)
+    return ExportPlan("x", "src", None, [t], **kw)
 
 
 def test_a_kept_tensor_planned_from_16bit_module_weights_comes_from_the_masters():

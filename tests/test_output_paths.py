@@ -206,7 +206,12 @@ def _peft_dirs(tmp_path):
     (cfg / "notes.txt").write_text("mine")
     save_file({"model.layers.0.self_attn.q_proj.weight": torch.zeros(8, 8)}, base / "model.safetensors",
               metadata={"format": "pt"})
-    (base / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    # A config the base's one tensor can stand for (config.json is checked against the checkpoint
+    # before the merge is planned): one layer of hidden size 8.
+    (base / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                                  "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+                                                  "num_attention_heads": 2, "num_key_value_heads": 2,
+                                                  "vocab_size": 16}))
     return src, cfg, base
 
 

@@ -177,7 +177,7 @@ def test_config_dir_as_destination_is_refused(z2_trainer, engine_ckpt, tmp_path)
 
 
 def test_api_and_parallel_writer_refuse_the_source_too(z2_trainer, monkeypatch):
-    """The check lives in the writer's Staging, so every path gets it, not only the CLI."""
+    """The check lives in the writer's commit strategy (SiblingSwap), so every path gets it, not only the CLI."""
     from hf_ckpt_integrations import export_checkpoint
     from hf_ckpt_integrations.errors import DestinationError
     from hf_ckpt_integrations.parallel import write_plan_parallel

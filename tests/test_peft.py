@@ -74,7 +74,7 @@ def _synthetic_adapter_plan(tmp_path, shapes, cfg=None):
     blob.write_bytes(b"\0" * 4096)
     tensors = [TensorPlan(n, s, "F32", [[Piece(str(blob), 0, int(torch.tensor(s).prod()), "F32")]]) for n, s in shapes]
     (tmp_path / "adapter_config.json").write_text(json.dumps(cfg or {"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
-    plan = ExportPlan("deepspeed", str(tmp_path), None, 3, 2, 1, "none", tensors)
+    plan = ExportPlan("deepspeed", str(tmp_path), None, tensors)
     return adapter_plan(plan, str(tmp_path))
 
 
@@ -101,7 +101,7 @@ def test_full_model_beside_an_adapter_config_is_not_taken_for_an_adapter(tmp_pat
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
     (tmp_path / "checkpoint-1").mkdir()
     t = TensorPlan("model.layers.0.self_attn.q_proj.weight", (1,), "F32", [[Piece("x", 0, 1, "F32")]])
-    plan = adapter_plan(ExportPlan("deepspeed", str(tmp_path / "checkpoint-1"), None, 3, 2, 1, "none", [t]),
+    plan = adapter_plan(ExportPlan("deepspeed", str(tmp_path / "checkpoint-1"), None, [t]),
                         str(tmp_path / "checkpoint-1"))
     assert plan.adapter is None and [t.name for t in plan.tensors] == ["model.layers.0.self_attn.q_proj.weight"]
 
@@ -113,7 +113,7 @@ def test_lora_tensors_without_adapter_config_are_refused(tmp_path):
 
     t = TensorPlan("base_model.model.q.lora_A.default.weight", (1,), "F32", [[Piece("x", 0, 1, "F32")]])
     with pytest.raises(LayoutError, match="no adapter_config.json; pass --config"):
-        adapter_plan(ExportPlan("deepspeed", str(tmp_path), None, 3, 2, 1, "none", [t]), str(tmp_path))
+        adapter_plan(ExportPlan("deepspeed", str(tmp_path), None, [t]), str(tmp_path))
 
 
 # ---------------------------------------------------------------- engine runs

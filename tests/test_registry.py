@@ -16,7 +16,7 @@ PKG = Path(__file__).resolve().parent.parent / "hf_ckpt_integrations"
 
 def test_every_source_has_the_protocol():
     for source in registry.SOURCES:
-        for attr in ("NAME", "LOOKS_FOR", "MEMORY_NAMES", "detect", "config_candidates", "plan"):
+        for attr in ("NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "detect", "config_candidates", "plan"):
             assert hasattr(source, attr), (source.__name__, attr)
 
 
@@ -48,12 +48,12 @@ def _toy_source(tmp_path, memory_names):
     data.parent.mkdir()
     data.write_bytes(b"\0" * 24)
 
-    def plan(path, *, tag=None, dtype=None, config_dir=None, tp_rules=None):
+    def plan(ctx):
         t = TensorPlan("model.embed_tokens.weight", (2, 3), "F32", [[Piece(str(data), 0, 6, "F32")]])
-        return ExportPlan("toy", path, None, None, 1, 1, "none", [t], aliases={"lm_head.weight": t.name},
+        return ExportPlan("toy", ctx.path, None, [t], aliases={"lm_head.weight": t.name},
                           dtypes={"master": "F32"}, files=[str(data)])
 
-    return types.SimpleNamespace(NAME="toy", LOOKS_FOR="a toy", MEMORY_NAMES=memory_names,
+    return types.SimpleNamespace(NAME="toy", LOOKS_FOR="a toy", MEMORY_NAMES=memory_names, OPTIONS=(),
                                  detect=lambda path, tag=None: Path(path, "weights.raw").exists(),
                                  config_candidates=lambda path, tag=None: [path], plan=plan)
 

@@ -25,7 +25,7 @@ def test_many_ranks_export_bitwise(stage, tmp_path):
     info = make_checkpoint(src, stage=stage, dp=37, layers=2, hidden=8, vocab=40, heads=2, kv_heads=1,
                            reference=True)
     plan = build_plan(str(src))
-    assert plan.stage == stage and plan.dp_size == 37 and len(plan.tensors) == info["tensors"]
+    assert plan.detail["zero_stage"] == stage and plan.detail["dp_size"] == 37 and len(plan.tensors) == info["tensors"]
     norm = next(t for t in plan.tensors if t.name == "model.norm.weight")
     assert len(norm.parts[0]) == (8 if stage == 3 else 1)
     export_checkpoint(str(src), str(tmp_path / "hf"), dtype="fp32")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_ckpt_integrations.assemble import check_replicas, to_torch
+from hf_ckpt_integrations.assemble import check_replicas, torch_tensor
 from hf_ckpt_integrations.errors import LayoutError
 from hf_ckpt_integrations.plan import Piece, TensorPlan
 from hf_ckpt_integrations.safe_load import MappedFiles
@@ -76,9 +76,9 @@ def test_merge_dim1_and_unpad_rows(tmp_path):
     p = _file(tmp_path, [a, b, padded[:4], padded[4:]])
     with MappedFiles() as files:
         t = TensorPlan("w", (6, 8), "F32", [[p[0]], [p[1]]], cat_dim=1, part_shapes=[(6, 4), (6, 4)])
-        assert torch.equal(to_torch(t, files), full)
+        assert torch.equal(torch_tensor(t, files), full)
         v = TensorPlan("vocab", (6, 8), "F32", [[p[2]], [p[3]]], cat_dim=0, part_shapes=[(4, 8), (4, 8)], keep_rows=6)
-        assert torch.equal(to_torch(v, files), full)
+        assert torch.equal(torch_tensor(v, files), full)
 
 
 def test_replica_check_names_the_differing_copy(tmp_path):

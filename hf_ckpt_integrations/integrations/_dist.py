@@ -5,82 +5,25 @@
 call) with the :class:`~..commit.MergeIntoCheckpoint` strategy: shards are staged in
 ``dst/.hfckpt-tmp-weights/`` and merged into ``dst`` (a checkpoint directory that keeps its other
 files) only when every rank succeeded; otherwise every rank raises the same
-:class:`~..orchestrator.WriteError` (``SaveError``) naming each failed rank.
-
-Ranks come from ``torch.distributed`` when it is initialised, never from Accelerate's state
-(which on a CPU-only DeepSpeed launch reports one process on every rank).
+:class:`~..comm.WriteError` naming each failed rank. Every collective goes through
+:mod:`..comm` (``default_comm()``: ranks from ``torch.distributed`` when it is initialised).
 """
 
 import os
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-from ..commit import STAGING_NAME, MergeIntoCheckpoint
-from ..formats.names import SAVED_WEIGHTS_RE
+from ..comm import default_comm
+from ..commit import STAGING_NAME, MergeIntoCheckpoint, weight_files as existing_weights
+from ..formats.config import write_config
 from ..formats.safetensors import floating_dtypes
-from ..orchestrator import Assignment, WriteError, default_comm, write
-from ..writer import MAX_SHARD_SIZE, OutTensor, copy_config_files
+from ..orchestrator import Assignment, write
+from ..writer import MAX_SHARD_SIZE, OutTensor
 
-__all__ = ["SaveError", "rank_world", "barrier", "all_ranks_ok", "broadcast_from_0", "write_distributed",
-           "existing_weights", "existing_weights_dtype", "remove_weights", "consolidate_checkpoint", "STAGING_NAME",
-           "write_config_on_rank0"]
+__all__ = ["write_distributed", "existing_weights", "existing_weights_dtype", "consolidate_checkpoint", "consolidate",
+           "STAGING_NAME", "write_config_on_rank0", "SAVE_CONSEQUENCE"]
 
-_SAVE_CONSEQUENCE = "the destination was left without the new weights: fix the cause and save again"
-
-
-# The old name of the one failure type (``failures``: rank -> message).
-SaveError = WriteError
-
-
-def _dist():
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return None
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def rank_world():
-    """``(rank, world_size)`` of the default ``torch.distributed`` group, ``(0, 1)`` without one."""
-    dist = _dist()
-    return (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
-
-
-def barrier():
-    dist = _dist()
-    if dist:
-        dist.barrier()
-
-
-def broadcast_from_0(obj):
-    """Rank 0's ``obj`` on every rank (so that all ranks take the same decision)."""
-    dist = _dist()
-    if not dist:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def all_ranks_ok(error: Optional[BaseException], what: str, context: str = "") -> None:
-    """Exchange this rank's error (or ``None``); raise :class:`~..orchestrator.WriteError` on every rank
-    if any failed."""
-    text = None if error is None else f"{context}{type(error).__name__}: {error}"
-    dist = _dist()
-    if dist:
-        gathered: List[Optional[str]] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, text)
-    else:
-        gathered = [text]
-    failures = {r: t for r, t in enumerate(gathered) if t is not None}
-    if failures:
-        raise WriteError(what, failures, _SAVE_CONSEQUENCE) from error
-
-
-def existing_weights(directory) -> List[str]:
-    try:
-        return sorted(n for n in os.listdir(directory) if SAVED_WEIGHTS_RE.match(n))  # replaced as a whole
-    except FileNotFoundError:
-        return []
+# What a failed save-time write leaves (every WriteError of the hooks says it).
+SAVE_CONSEQUENCE = "the destination was left without the new weights: fix the cause and save again"
 
 
 def existing_weights_dtype(directory) -> Optional[str]:
@@ -105,11 +48,6 @@ def _holds_plan_dtypes(directory, plan) -> bool:
     return all(held.get(t.name) == t.out_dtype for t in plan.tensors)
 
 
-def remove_weights(directory) -> None:
-    for n in existing_weights(directory):
-        os.remove(os.path.join(directory, n))
-
-
 def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_SHARD_SIZE,
                       collective: bool = False, config_dir: Optional[str] = None,
                       replace_existing: bool = True, what: str = "HF export", fmt: str = "safetensors",
@@ -124,14 +62,14 @@ def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_S
     weight files in ``dst`` are replaced as a set only after every rank has written its shards
     (``replace_existing``); other files are kept. Returns ``{"files": [shard names], "tensor_bytes":
     n, "written_here": [...], "sharded": bool, "shards_by_rank": {...}}``. Raises
-    :class:`~..orchestrator.WriteError` on every rank when any rank failed.
+    :class:`~..comm.WriteError` on every rank when any rank failed.
     """
     def finish(staging, tensors):
-        return {"config_files": copy_config_files(config_dir, staging, tensors=tensors)}
+        return {"config_files": write_config(staging, config_dir=config_dir, tensor_dtypes=[t.dtype for t in tensors])}
 
     report = write(tensors, MergeIntoCheckpoint(dst, replace_existing=replace_existing), comm=default_comm(),
                    max_shard_size=max_shard_size, fmt=fmt, collective=collective, bind=bind,
-                   finish=finish if config_dir else None, what=what, consequence=_SAVE_CONSEQUENCE)
+                   finish=finish if config_dir else None, what=what, consequence=SAVE_CONSEQUENCE)
     return {"files": report["shard_files"], "tensor_bytes": report["tensor_bytes"],
             "written_here": report["written_here"], "sharded": report["sharded"],
             "shards_by_rank": report["shards_by_rank"]}
@@ -141,15 +79,43 @@ def write_config_on_rank0(module, directory, tensors=None, *, keep_existing: boo
     """Rank 0 writes config.json (with the dtype of ``tensors``, as save_pretrained records it); a
     failure there raises on every rank. ``keep_existing``: rank 0 leaves a config.json already there
     (only rank 0 looks: every rank takes part in the collective whatever it finds). Collective."""
-    from ..formats.config import write_config
-
-    error = None
-    if rank_world()[0] == 0 and not (keep_existing and os.path.isfile(os.path.join(directory, "config.json"))):
-        try:
+    def write_it():
+        if not (keep_existing and os.path.isfile(os.path.join(directory, "config.json"))):
             write_config(directory, model=module, tensor_dtypes=[t.dtype for t in tensors or ()])
-        except Exception as e:
-            error = e
-    all_ranks_ok(error, f"writing config.json into {directory}")
+
+    default_comm().on_rank0(write_it, f"writing config.json into {directory}", SAVE_CONSEQUENCE)
+
+
+def consolidate(checkpoint_dir, dst, *, what: str, tag: Optional[str] = None, dtype: Optional[str] = None,
+                config: Optional[str] = None, check: Optional[Callable] = None, max_shard_size=MAX_SHARD_SIZE,
+                replace_existing: bool = True, fmt: str = "safetensors", copy_config: bool = True,
+                keep: Optional[Callable] = None) -> Optional[dict]:
+    """Write into ``dst`` the export of the engine checkpoint in ``checkpoint_dir``. Collective.
+
+    The plan is built once, on rank 0, from the files every rank sees, where ``check(plan)`` may
+    refuse it (raise) and ``keep(plan)``, when given, may say that what ``dst`` holds already will
+    do; every rank receives both and, unless kept, writes its shards (:func:`write_distributed`; the
+    plan's config files copied when ``copy_config``). Returns :func:`write_distributed`'s report, or
+    ``None`` when kept (nothing written). Raises the same :class:`~..comm.WriteError` on every rank
+    when any rank failed (with one process: the error itself)."""
+    from ..safe_load import MappedFiles
+    from ..sources import build_plan
+    from ..writer import plan_tensors
+
+    def plan_it():
+        plan = build_plan(checkpoint_dir, tag=tag, dtype=dtype, config=config)
+        if check is not None:
+            check(plan)
+        return plan, bool(keep is not None and keep(plan))
+
+    plan, kept = default_comm().on_rank0(plan_it, f"{what}: planning", SAVE_CONSEQUENCE)
+    if kept:
+        return None
+    with MappedFiles() as files:
+        tensors = plan_tensors(plan, dtype, files, ranges=True)
+        return write_distributed(tensors, dst, max_shard_size=max_shard_size,
+                                 config_dir=plan.config_dir if copy_config else None,
+                                 replace_existing=replace_existing, what=what, fmt=fmt)
 
 
 def consolidate_checkpoint(checkpoint_dir, *, tag: Optional[str] = None, dtype: Optional[str] = None,
@@ -162,31 +128,18 @@ def consolidate_checkpoint(checkpoint_dir, *, tag: Optional[str] = None, dtype: 
     ``"bf16"``, ``"fp16"``. ``existing``: ``"auto"`` keeps weights already there when each of their
     tensors has the dtype the export would write (:mod:`..dtype_rule`), ``"replace"`` always
     rewrites them. Returns ``{"action": "kept"|"written", ...}``.
-    Raises :class:`SaveError` on every rank when any rank failed (plan refused, disk full, ...).
+    Raises :class:`~..comm.WriteError` on every rank when any rank failed (plan refused, disk full,
+    ...); with one process, the error itself.
     """
     if existing not in ("auto", "replace"):
         raise ValueError(f"existing={existing!r}; use 'auto' or 'replace'")
-    from ..safe_load import MappedFiles
-    from ..sources import build_plan
-    from ..writer import plan_tensors
-
     checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
     what = what or f"consolidating {checkpoint_dir}"
-    # The plan is built once, on rank 0, from the files every rank sees; the others receive it. Its
-    # output dtypes (the one rule, fp32-kept modules included) say whether the weights there will do.
-    plan, decision, error = None, None, None
-    if rank_world()[0] == 0:
-        try:
-            plan = build_plan(checkpoint_dir, tag=tag, dtype=dtype, config=config)
-            decision = "keep" if existing == "auto" and _holds_plan_dtypes(checkpoint_dir, plan) else "write"
-        except Exception as e:
-            error = e
-    all_ranks_ok(error, f"{what}: planning")
-    plan, decision = broadcast_from_0((plan, decision))
-    if decision == "keep":
+    # The plan's output dtypes (the one rule, fp32-kept modules included) say, on rank 0, whether
+    # the weights there will do.
+    keep = (lambda plan: _holds_plan_dtypes(checkpoint_dir, plan)) if existing == "auto" else None
+    report = consolidate(checkpoint_dir, checkpoint_dir, what=what, tag=tag, dtype=dtype, config=config,
+                         max_shard_size=max_shard_size, keep=keep)
+    if report is None:
         return {"action": "kept", "files": existing_weights(checkpoint_dir)}
-    with MappedFiles() as files:
-        tensors = plan_tensors(plan, dtype, files, ranges=True)
-        report = write_distributed(tensors, checkpoint_dir, max_shard_size=max_shard_size,
-                                   config_dir=plan.config_dir, replace_existing=True, what=what)
     return {"action": "written", **report}

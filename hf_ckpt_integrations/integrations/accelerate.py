@@ -14,7 +14,8 @@ single-process models):
 - shards are spread over the ranks (the writer's assignment: shard ``i`` by rank ``i % world_size``
   from ``torch.distributed``), staged, and merged into place only when every rank succeeded;
 - ``safe_serialization=False`` writes ``pytorch_model*.bin`` whose tensors own exactly their
-  bytes (one shard in memory at a time), so no flat-buffer bloat (seed 002);
+  bytes (one shard in memory at a time): ``torch.save`` of a view into ZeRO's flat buffer would
+  write the whole buffer;
 - ``config.json`` (and ``generation_config.json``) is written when the model has a ``config``.
 
 Every rank must call ``save_model`` (as Accelerate already requires under DeepSpeed).
@@ -36,7 +37,8 @@ from ..formats.config import write_config
 from ..dtype_rule import request, trained_dtype
 from ..formats.dtypes import to_user
 from ..writer import MAX_SHARD_SIZE, OutTensor
-from ._dist import SaveError, consolidate_checkpoint, rank_world, write_config_on_rank0, write_distributed
+from ..comm import WriteError, default_comm
+from ._dist import consolidate_checkpoint, write_config_on_rank0, write_distributed
 
 __all__ = ["install_accelerate_hooks", "save_model"]
 
@@ -69,12 +71,12 @@ def save_model(accelerator, model, save_directory, max_shard_size=None,
 
     ``dtype``: ``None`` keeps the training dtype of each tensor. ``max_shard_size``: None is
     ``accelerator.save_model``'s own default. Returns the writer's report.
-    Raises :class:`~._dist.SaveError` on every rank when any rank failed.
+    Raises :class:`~..comm.WriteError` on every rank when any rank failed.
     """
     from ..sources.live import live_tensors, reads_are_collective
 
     if os.path.isfile(save_directory):
-        raise SaveError("accelerator.save_model", {rank_world()[0]: f"{save_directory} is a file, not a directory"})
+        raise WriteError("accelerator.save_model", {default_comm().rank: f"{save_directory} is a file, not a directory"})
     module = accelerator.unwrap_model(model)
     from .peft import is_peft_model, save_adapter_live
 
@@ -98,7 +100,7 @@ def _save_state_pre_hook(accelerator, dtype, max_shard_size):
 
         if accelerator.distributed_type != DistributedType.DEEPSPEED:
             # Accelerate writes model.safetensors itself here; make it loadable with the config.
-            if rank_world()[0] == 0 and models:
+            if default_comm().rank == 0 and models:
                 write_config(output_dir, model=accelerator.unwrap_model(models[0]))
             return
         # save_state has already run model.save_checkpoint(output_dir, "pytorch_model") on all ranks.

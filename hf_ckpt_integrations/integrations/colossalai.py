@@ -8,7 +8,8 @@ signature but writes ``path`` as a HuggingFace directory that ``from_pretrained(
   with ``shard=True``, one ``model.safetensors`` with ``shard=False`` (``path`` is then a
   directory too); ``config.json`` / ``generation_config.json`` from the model;
 - every TP-sharded tensor gathered first, then its vocabulary padding cut to the recorded
-  original length (:mod:`..sources.colossalai`; seed 003) — whatever the installed ColossalAI's
+  original length (:mod:`..sources.colossalai`: the pad records describe the global tensor) —
+  whatever the installed ColossalAI's
   own save path does;
 - streamed: each shard is written by the rank the writer assigns it to; only that rank receives
   the pieces, one tensor at a time; staged and merged into place when every rank succeeded.
@@ -24,7 +25,8 @@ import logging
 from typing import Optional
 
 from ..formats.config import write_config
-from ._dist import all_ranks_ok, rank_world, write_distributed
+from ..comm import default_comm
+from ._dist import SAVE_CONSEQUENCE, write_distributed
 
 __all__ = ["install_colossalai_hooks", "save_model"]
 
@@ -43,7 +45,7 @@ def _supported(booster) -> bool:
 def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, dtype: Optional[str] = None) -> dict:
     """What the hooked ``booster.save_model`` runs. Collective: every rank calls it.
 
-    Returns the writer's report. Raises :class:`~._dist.SaveError` on every rank when any failed.
+    Returns the writer's report. Raises :class:`~..comm.WriteError` on every rank when any failed.
     """
     from ..sources.colossalai import describe_model, live_plan
 
@@ -56,20 +58,17 @@ def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, d
         _check_hub_layout(module, infos)
     except Exception as e:
         error = e
-    all_ranks_ok(error, f"booster.save_model into {checkpoint}: reading the layout")
+    comm = default_comm()
+    comm.all_ok(error, f"booster.save_model into {checkpoint}: reading the layout", SAVE_CONSEQUENCE)
     max_shard_size = int(size_per_shard * _MIB) if shard else _ONE_FILE
     what = f"booster.save_model into {checkpoint}"
     # The writer assigns the shards and gives each read its writing rank (who receives each tensor).
     plan = live_plan(infos, module, dtype=dtype)
     report = write_distributed(plan, checkpoint, max_shard_size=max_shard_size, collective=True,
                                replace_existing=True, what=what)
-    error = None
-    if rank_world()[0] == 0:
-        try:
-            write_config(checkpoint, model=module, tensor_dtypes=[t.out_dtype or t.src_dtype for t in plan])
-        except Exception as e:
-            error = e
-    all_ranks_ok(error, f"writing config.json into {checkpoint}")
+    comm.on_rank0(lambda: write_config(checkpoint, model=module, tensor_dtypes=[t.out_dtype or t.src_dtype
+                                                                               for t in plan]),
+                  f"writing config.json into {checkpoint}", SAVE_CONSEQUENCE)
     return report
 
 

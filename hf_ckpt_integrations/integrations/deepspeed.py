@@ -3,7 +3,8 @@
 DeepSpeed's AutoTP records how each parameter was split; a custom tensor-parallel ``mpu``
 (Megatron / GPT-NeoX style, or an HF model split by hand) records nothing, and
 ``ds_to_universal`` then either refuses the checkpoint or, given an empty record, concatenates
-replicated parameters such as layernorms (seed 001). :func:`save_checkpoint` derives the record
+replicated parameters such as layernorms (it cannot tell a replica from a slice).
+:func:`save_checkpoint` derives the record
 from the HF tp plan and the actual shapes on this rank and attaches it to the client state::
 
     from hf_ckpt_integrations.integrations.deepspeed import save_checkpoint

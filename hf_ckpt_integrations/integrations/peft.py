@@ -22,7 +22,9 @@ from ..dtype_rule import request
 from ..formats.dtypes import to_user
 from ..sources.peft import (adapter_names_in, adapter_out_dir, check_not_empty, is_peft_model,
                             save_name)
-from ._dist import all_ranks_ok, rank_world, write_distributed
+from ..comm import default_comm
+from ..errors import LayoutError
+from ._dist import SAVE_CONSEQUENCE, consolidate, write_distributed
 
 __all__ = ["is_peft_model", "consolidate_adapter", "save_adapter_live", "adapter_dtype"]
 
@@ -52,23 +54,16 @@ def _write_config(model, adapter, out_dir) -> None:
 
 
 def _config_on_rank0(model, adapter, out_dir, what):
-    error = None
-    if rank_world()[0] == 0:
-        try:
-            os.makedirs(out_dir, exist_ok=True)
-            _write_config(model, adapter, out_dir)
-        except Exception as e:
-            error = e
-    all_ranks_ok(error, f"{what}: writing adapter_config.json")
+    def write_it():
+        os.makedirs(out_dir, exist_ok=True)
+        _write_config(model, adapter, out_dir)
+
+    default_comm().on_rank0(write_it, f"{what}: writing adapter_config.json", SAVE_CONSEQUENCE)
 
 
 def consolidate_adapter(checkpoint_dir, model, *, dtype: Optional[str] = None) -> dict:
     """Write each trained adapter of ``model`` into ``checkpoint_dir`` (a subdirectory for an
     adapter not named ``default``, as peft does) from the DeepSpeed checkpoint there. Collective."""
-    from ..safe_load import MappedFiles
-    from ..sources import build_plan
-    from ..writer import plan_tensors
-
     checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
     dtype = to_user(request(dtype, training=adapter_dtype(model)))  # default: the adapter's own dtype
     reports = {}
@@ -76,18 +71,13 @@ def consolidate_adapter(checkpoint_dir, model, *, dtype: Optional[str] = None) -
         out_dir = adapter_out_dir(checkpoint_dir, adapter)
         what = f"saving adapter {adapter!r} into {out_dir}"
         _config_on_rank0(model, adapter, out_dir, what)
-        plan, error = None, None
-        try:
-            plan = build_plan(checkpoint_dir, dtype=dtype, config=out_dir)
+
+        def holds_adapter(plan, adapter=adapter):
             if plan.adapter is None or plan.adapter["name"] != adapter:
-                raise RuntimeError(f"{checkpoint_dir}: the DeepSpeed checkpoint holds no tensors of adapter {adapter!r}")
-        except Exception as e:
-            error = e
-        all_ranks_ok(error, f"{what}: planning")
-        with MappedFiles() as files:
-            tensors = plan_tensors(plan, dtype, files, ranges=True)
-            reports[adapter] = write_distributed(tensors, out_dir, replace_existing=False, what=what,
-                                                 fmt="adapter")
+                raise LayoutError(f"{checkpoint_dir}: the DeepSpeed checkpoint holds no tensors of adapter {adapter!r}")
+
+        reports[adapter] = consolidate(checkpoint_dir, out_dir, what=what, dtype=dtype, config=out_dir,
+                                       check=holds_adapter, replace_existing=False, fmt="adapter", copy_config=False)
     return {"action": "written", "adapters": reports,
             "files": sorted({f for r in reports.values() for f in r["files"]} | {"adapter_config.json"})}
 
@@ -108,7 +98,7 @@ def save_adapter_live(module, save_directory, *, dtype: Optional[str] = None) ->
             check_not_empty(tensors, out_dir)
         except Exception as e:
             error = e
-        all_ranks_ok(error, f"{what}: planning")
+        default_comm().all_ok(error, f"{what}: planning", SAVE_CONSEQUENCE)
         _config_on_rank0(module, adapter, out_dir, what)
         reports[adapter] = write_distributed(tensors, out_dir, collective=reads_are_collective(module),
                                              replace_existing=False, what=what, fmt="adapter")

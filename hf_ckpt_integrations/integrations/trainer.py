@@ -29,23 +29,24 @@ from transformers import TrainerCallback
 
 from ..dtype_rule import request, trained_dtype
 from ..formats.dtypes import from_user as dtype_from_name, to_user, training_dtype
+from ..sources import dcp
+from ..sources.registry import engine_checkpoint
 from ..writer import MAX_SHARD_SIZE
-from ._dist import barrier, consolidate_checkpoint, existing_weights, write_config_on_rank0
+from ..comm import default_comm
+from ._dist import consolidate_checkpoint, existing_weights, write_config_on_rank0
 
 __all__ = ["ConsolidatedCheckpointCallback", "consolidate_checkpoint", "save_model", "training_dtype"]
 
 logger = logging.getLogger(__name__)
 
 def _has_engine_checkpoint(directory) -> bool:
-    return os.path.isfile(os.path.join(directory, "latest")) or any(
-        n.startswith("global_step") for n in os.listdir(directory)) or _has_dcp(directory)
+    """The directory holds a training engine's checkpoint (the source registry says which)."""
+    return engine_checkpoint(directory) is not None
 
 
 def _has_dcp(directory) -> bool:
     """An FSDP checkpoint (``pytorch_model_fsdp_0/``, torch DCP): the Trainer writes no config.json beside it."""
-    from ..sources.dcp import find_dcp_dir
-
-    return find_dcp_dir(directory) is not None
+    return engine_checkpoint(directory) == dcp.NAME
 
 
 def _consolidate_engine_checkpoint(directory, model, **kwargs) -> dict:
@@ -68,7 +69,7 @@ def save_model(trainer, output_dir: Optional[str] = None, *, dtype: Optional[str
     """
     output_dir = output_dir if output_dir is not None else trainer.args.output_dir
     trainer.save_model(output_dir)
-    barrier()
+    default_comm().barrier()
     from .peft import consolidate_adapter, is_peft_model
 
     if is_peft_model(trainer.model) and _has_engine_checkpoint(output_dir):
@@ -100,7 +101,7 @@ class ConsolidatedCheckpointCallback(TrainerCallback):
       ``"replace"``.
 
     Every rank runs the callback (the Trainer calls callbacks on all ranks); the write is collective.
-    A failure on any rank raises :class:`~._dist.SaveError` on every rank.
+    A failure on any rank raises :class:`~..comm.WriteError` on every rank.
     """
 
     def __init__(self, *, dtype: Optional[str] = None, max_shard_size=MAX_SHARD_SIZE, checkpoints: str = "every",

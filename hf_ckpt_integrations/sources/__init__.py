@@ -12,10 +12,14 @@ from ..guards import bad_metadata_as_input, check_tag_name, config_problem
 __all__ = ["build_plan"]
 
 
-def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None, layout_cache=True):
+def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None, source_options=None, layout_cache=True):
     """Build the export plan for any supported checkpoint directory ``src``: the first source of the
     registry that claims it plans it, then the shared passes run, ending with
     :func:`~..plan.check_plan` (the writer never starts on a plan safetensors could not load).
+
+    ``source_options``: ``{name: value}`` for options the sources declare (``OPTIONS`` in their
+    modules, :class:`~.protocol.SourceOption`), checked before anything is read; ``tp_rules`` is
+    DeepSpeed's ``tp_rules`` option under its own name.
 
     Raises only :class:`~..errors.CheckpointError` for bad input: metadata of an unexpected type
     or shape (which a source's own checks did not name) is reported as a
@@ -34,11 +38,16 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None, layout_
                               "tag dir or Trainer checkpoint-N dir)")
     if tag is not None:
         check_tag_name(tag, "--tag")
-    from .registry import find_source, plan_with
+    from .registry import check_options, find_source, plan_with
 
+    given = dict(source_options or {})
+    if tp_rules:  # --tp-rule is the tp_rules option's own spelling; both together add up
+        extra = given.get("tp_rules") or []
+        given["tp_rules"] = (list(extra) if isinstance(extra, (list, tuple)) else [extra]) + list(tp_rules)
+    options = check_options(given)
     with bad_metadata_as_input(src):
         source = find_source(src, tag)
-        plan = plan_with(source, src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules,
+        plan = plan_with(source, src, tag=tag, dtype=dtype, config=config, options=options,
                          layout_cache=layout_cache)
     if plan.config_dir is None and plan.adapter is None:  # say why a config.json beside the checkpoint was not used
         problem = config_problem(src)

@@ -15,7 +15,7 @@ Call order (every rank makes every call, in the same order):
    padding back to the recorded original length; on a holding rank it sends its local piece to
    the writer; on other ranks it does nothing.
 
-Why gather first (seed 003): ColossalAI records ``_origin_length`` / ``_current_length`` on each
+Why gather first: ColossalAI records ``_origin_length`` / ``_current_length`` on each
 rank's *local* shard, but both describe the *global* padded dimension (e.g. 1001 of 1024 rows).
 Cutting a 512-row local shard to 1001 rows is a no-op, and the gathered tensor keeps 1024 rows —
 the checkpoint that ``from_pretrained`` refuses. Here the padded length is checked against the
@@ -179,7 +179,7 @@ def _finish(info: TensorInfo) -> None:
         if info.shape[dim] != padded:
             # The record describes the global padded length; anything else means we would cut wrongly.
             raise LayoutError(f"{info.name}: padded to {padded} along dim {dim}, but the gathered tensor has "
-                              f"{info.shape[dim]} there; refusing to unpad (seed 003: pad records are global)")
+                              f"{info.shape[dim]} there; refusing to unpad (pad records are global)")
         shape = list(info.shape)
         shape[dim] = origin
         info.shape = tuple(shape)

@@ -30,8 +30,9 @@ from ..errors import CheckpointError, LayoutError, one_line
 from ..plan import Chunk, ExportPlan, Piece, TensorPlan, check_tiling, row_major_pieces
 from ..safe_load import Record, record_type, short_repr
 
-__all__ = ["ALLOWED", "find_dcp_dir", "read_metadata", "data_archives", "check_archive_crcs", "build_plan", "DcpTensor", "NAME", "LOOKS_FOR",
-           "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "detect", "config_candidates", "plan"]
+__all__ = ["ALLOWED", "find_dcp_dir", "read_metadata", "data_archives", "check_archive_crcs", "plan_dcp_dir", "DcpTensor",
+           "NAME", "LOOKS_FOR", "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "OPTIONS", "detect", "config_candidates",
+           "plan"]
 
 # The source protocol (sources/registry.py).
 NAME = "torch-dcp"
@@ -39,6 +40,7 @@ LOOKS_FOR = ("a torch DCP checkpoint (.metadata + *.distcp, or pytorch_model_fsd
              "HuggingFaceStorageWriter's shard-*-model-*.safetensors)")
 MEMORY_NAMES = True  # the model's own parameter names: the Hub-layout pass applies
 TIED_UNDER_BOTH_NAMES = True  # FSDP state dicts hold a tied weight under both names (passes.tie_embeddings)
+OPTIONS = ()
 
 METADATA = ".metadata"
 # Where Accelerate's save_state / save_model and the Trainer put the model's DCP checkpoint.
@@ -103,10 +105,10 @@ def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
     return [path, find_dcp_dir(path), os.path.dirname(os.path.abspath(path))]
 
 
-def plan(path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None, config_dir: Optional[str] = None,
-         tp_rules=None) -> ExportPlan:
-    """The registry's entry point: :func:`build_plan` of the DCP directory ``path`` is or holds."""
-    return build_plan(find_dcp_dir(path), config_dir=config_dir, source=os.path.abspath(path))
+def plan(ctx) -> ExportPlan:
+    """The registry's entry point (``ctx``: a :class:`~.protocol.PlanContext`): :func:`plan_dcp_dir` of
+    the DCP directory ``ctx.path`` is or holds."""
+    return plan_dcp_dir(find_dcp_dir(ctx.path), config_dir=ctx.config_dir, source=os.path.abspath(ctx.path))
 
 
 def find_dcp_dir(src: str) -> Optional[str]:
@@ -347,7 +349,7 @@ def _chunk_piece(dcp_dir, name, fqn, dtype, off, sz, storage, where) -> Piece:
     return Piece(path, byte_offset, ref.numel, dtype)
 
 
-def build_plan(dcp_dir: str, *, config_dir: Optional[str] = None, source: Optional[str] = None) -> ExportPlan:
+def plan_dcp_dir(dcp_dir: str, *, config_dir: Optional[str] = None, source: Optional[str] = None) -> ExportPlan:
     """Plan the export of the model weights of the DCP checkpoint ``dcp_dir`` (see the module docstring)."""
     dcp_dir = os.path.abspath(dcp_dir)
     if _hf_writer_files(dcp_dir):
@@ -383,9 +385,9 @@ def build_plan(dcp_dir: str, *, config_dir: Optional[str] = None, source: Option
     if skipped:
         notes.append(f"{skipped} optimizer/other tensor entries skipped")
     shards = max(chunk_counts) if chunk_counts else 1
-    return ExportPlan(engine="torch-dcp", source=source or dcp_dir, tag=None, stage=None, dp_size=shards, mp_size=1,
-                      mp_axis="none", tensors=out, dtypes={"module": dtypes.pop()} if len(dtypes) == 1 else {},
-                      config_dir=config_dir, files=files, notes=notes)
+    return ExportPlan(engine="torch-dcp", source=source or dcp_dir, tag=None, tensors=out,
+                      dtypes={"module": dtypes.pop()} if len(dtypes) == 1 else {},
+                      config_dir=config_dir, files=files, notes=notes, detail={"dp_size": shards})
 
 
 # torch's HuggingFaceStorageWriter: ``model-00001-of-00003.safetensors`` (+ a JSON ``.metadata``) from

@@ -17,14 +17,18 @@ from .. import guards, safe_load
 from ..errors import CheckpointError, LayoutError
 from ..plan import ExportPlan, Piece, TensorPlan, dtype_from_name
 from . import layout
+from .protocol import PlanContext, SourceOption
 from .tp_rules import Rule, concat_shape, hf_plans_for, parse_user_rule, rule_from_hf_plan, rule_from_universal_info, rule_from_user
 
-__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "detect", "config_candidates", "plan", "resolve_tag_dir",
+__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "detect", "config_candidates", "plan", "resolve_tag_dir",
            "holds_checkpoint"]
 
 NAME = "deepspeed"
 LOOKS_FOR = "a DeepSpeed save (a 'latest' file, global_step* tag dirs, *_model_states.pt / *_optim_states.pt)"
 MEMORY_NAMES = True  # the model's own parameter names: the Hub-layout pass applies
+OPTIONS = (SourceOption("tp_rules", "PATTERN=0|1|replicated: how to merge model-parallel slices of parameters "
+                        "matching PATTERN that neither the checkpoint nor the HF config describes (the CLI's --tp-rule)",
+                        repeated=True, default=[]),)
 
 _OPTIM_RE = re.compile(r"^(?:(bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -136,14 +140,14 @@ class _Rank:
         return self._osd
 
 
-def plan(src: str, *, tag: Optional[str] = None, dtype: Optional[str] = None, config_dir: Optional[str] = None,
-         tp_rules=None) -> ExportPlan:
+def plan(ctx: PlanContext) -> ExportPlan:
     """Plan the export of a DeepSpeed ZeRO checkpoint (see the module docstring).
 
-    ``config_dir``: the config the registry found (its TP merge rules are read from it).
-    ``tp_rules``: ``["PATTERN=0|1|replicated", ...]`` for model-parallel parameters that neither
-    the checkpoint nor the HF config describes (see :mod:`.tp_rules`).
+    ``ctx.config_dir``: the config the registry found (its TP merge rules are read from it).
+    ``ctx.options["tp_rules"]``: ``["PATTERN=0|1|replicated", ...]`` for model-parallel parameters
+    that neither the checkpoint nor the HF config describes (see :mod:`.tp_rules`).
     """
+    src, tag, dtype, config_dir, tp_rules = ctx.path, ctx.tag, ctx.dtype, ctx.config_dir, ctx.option("tp_rules")
     out_dtype = dtype_from_name(dtype)
     try:
         user_rules = [parse_user_rule(r) for r in (tp_rules or [])]
@@ -188,7 +192,7 @@ def plan(src: str, *, tag: Optional[str] = None, dtype: Optional[str] = None, co
         out = _merge_model_parallel(tag_dir, per_mp, config_dir, user_rules)
     out.source = src
     out.tag = tag
-    out.mp_size = len(mp_ranks)
+    out.detail["mp_size"] = len(mp_ranks)
     return out
 
 
@@ -258,7 +262,7 @@ def _merge_model_parallel(tag_dir, per_mp, config_dir, user_rules) -> ExportPlan
                                  module_check=check))
     plan = plans[0]
     plan.tensors = merged
-    plan.mp_axis, plan.mp_axis_reason = axis, reason
+    plan.detail.update(mp_axis=axis, mp_axis_reason=reason)
     plan.padding_removed = padding
     plan.files = sorted({f for p in plans for f in p.files})
     return plan
@@ -438,9 +442,10 @@ def _plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, _Rank], model_files, out_dt
     dtypes = {"master": "F32"}
     if module_dtype is not None:
         dtypes["module"] = module_dtype
-    plan = ExportPlan(engine="deepspeed", source=tag_dir, tag=None, stage=stage, dp_size=dp, mp_size=1,
-                      mp_axis="none", tensors=ordered, aliases={str(k): str(v) for k, v in shared.items()},
-                      dtypes=dtypes, files=files)
+    plan = ExportPlan(engine="deepspeed", source=tag_dir, tag=None, tensors=ordered,
+                      aliases={str(k): str(v) for k, v in shared.items()}, dtypes=dtypes, files=files,
+                      detail={"zero_stage": stage, "dp_size": dp, "mp_size": 1, "mp_axis": "none",
+                              "mp_axis_reason": None})
     version = model.get("ds_version")  # every release records it; the layout never depends on it
     plan.engine_version = version if isinstance(version, str) else None
     if ranks[0].prefix:

@@ -9,7 +9,7 @@ Hub-layout answer is (:mod:`.answer_cache`): an export of every ``checkpoint-N``
 run builds the model once.
 """
 
-from typing import Optional
+from typing import Callable, Optional
 
 from ..dtype_rule import KeepFp32, keep_fp32_of_model, match_style
 from ..formats.config import transformers_major
@@ -20,18 +20,21 @@ __all__ = ["keep_fp32_of_config", "keep_for_plan"]
 _FORMAT = 1  # bump when what an entry holds changes
 
 
-def keep_fp32_of_config(config_dir: Optional[str]) -> Optional[KeepFp32]:
+def keep_fp32_of_config(config_dir: Optional[str], cfg: Optional[dict] = None) -> Optional[KeepFp32]:
     """The fp32-kept modules of the model ``config_dir/config.json`` describes; None without a
     config, without transformers, or for a model the installed transformers cannot build (nothing
-    is then known to be kept: every tensor follows the requested dtype)."""
+    is then known to be kept: every tensor follows the requested dtype). ``cfg``: that config.json,
+    already read (an export's :class:`~.protocol.PlanContext` reads it once)."""
     if config_dir is None or transformers_major() is None:
         return None
-    from ..guards import read_config
+    if cfg is None:
+        from ..guards import read_config
 
-    key = cache_key("keep-fp32", [_FORMAT, read_config(config_dir)])
+        cfg = read_config(config_dir)
+    key = cache_key("keep-fp32", [_FORMAT, cfg])
     entry = _valid(read_answer("keep-fp32", key))
     if entry is None:
-        entry = _derive(config_dir)
+        entry = _derive(config_dir, cfg)
         write_answer("keep-fp32", key, entry)
     if entry["model_class"] is None:
         return None
@@ -39,22 +42,24 @@ def keep_fp32_of_config(config_dir: Optional[str]) -> Optional[KeepFp32]:
                     entry["model_class"])
 
 
-def keep_for_plan(plan, dtype: Optional[str]) -> Optional[KeepFp32]:
+def keep_for_plan(plan, dtype: Optional[str], config: Optional[Callable[[], dict]] = None) -> Optional[KeepFp32]:
     """The lists an export of ``plan`` in ``dtype`` needs: those already on the plan, else, when a
     load in ``dtype`` keeps any module in fp32 (bf16/fp16) and the plan is a model (not a PEFT
-    adapter, which peft saves as trained), those of its config's class; else None (nothing to read)."""
+    adapter, which peft saves as trained), those of its config's class; else None (nothing to read).
+    ``config``: returns ``plan.config_dir``'s config.json as already read (an export's
+    :class:`~.protocol.PlanContext`), called only when the lists are needed."""
     from ..formats.dtypes import from_user
 
     if plan.keep_fp32 is not None or plan.adapter is not None or from_user(dtype) not in ("F16", "BF16"):
         return plan.keep_fp32
-    return keep_fp32_of_config(plan.config_dir)
+    return keep_fp32_of_config(plan.config_dir, config() if config is not None and plan.config_dir else None)
 
 
-def _derive(config_dir: str) -> dict:
+def _derive(config_dir: str, cfg: dict) -> dict:
     from .hub_layout import meta_model
 
     try:
-        model = meta_model(config_dir)
+        model = meta_model(config_dir, cfg=cfg)
     except Exception:  # a config this transformers rejects: the Hub-layout pass names the problem
         model = None
     keep = keep_fp32_of_model(model) if model is not None else None

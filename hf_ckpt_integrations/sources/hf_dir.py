@@ -2,8 +2,8 @@
 
 What ColossalAI's own ``booster.save_model`` writes (``pytorch_model-00001.bin`` + index), what
 ``save_pretrained`` writes, and what this package exports. ``inspect`` reports the storage-bloat
-audit of every weight file (seed 002: ``.bin`` files whose tensors are views of larger
-storages); ``export`` rewrites the tensors as lean safetensors; ``verify`` compares against it.
+audit of every weight file (``.bin`` files whose tensors are views of larger storages hold those
+whole storages, N times the weights); ``export`` rewrites the tensors as lean safetensors; ``verify`` compares against it.
 """
 
 import os
@@ -15,14 +15,18 @@ from ..formats.dtypes import SIZES
 from ..formats.names import has_weights, weight_names
 from ..formats.safetensors import read_hf_dir
 from ..plan import ExportPlan, Piece, TensorPlan
-from . import deepspeed
 from .audit import audit
+from .protocol import PlanContext
 
-__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "detect", "config_candidates", "plan", "is_hf_dir"]
+__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "YIELDS_TO", "detect", "config_candidates", "plan",
+           "is_hf_dir"]
 
 NAME = "hf-directory"
 LOOKS_FOR = "an HF directory (model.safetensors[.index.json] or pytorch_model.bin[.index.json])"
 MEMORY_NAMES = False  # already what save_pretrained wrote: no Hub-layout pass, tied names as stored
+OPTIONS = ()
+# A Trainer checkpoint-N can hold both HF weights and a DeepSpeed checkpoint: its fp32 masters come first.
+YIELDS_TO = ("deepspeed",)
 
 
 def is_hf_dir(path: str) -> bool:
@@ -30,19 +34,18 @@ def is_hf_dir(path: str) -> bool:
 
 
 def detect(path: str, tag: Optional[str] = None) -> bool:
-    """HF weights in ``path`` — unless it also holds a DeepSpeed checkpoint (a Trainer checkpoint-N),
-    whose fp32 masters come first — and no tag asked for."""
-    return tag is None and has_weights(path) and not deepspeed.holds_checkpoint(path)
+    """HF weights in ``path`` and no tag asked for (the registry lets a DeepSpeed checkpoint in the
+    same directory come first: :data:`YIELDS_TO`)."""
+    return tag is None and has_weights(path)
 
 
 def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
     return [os.path.abspath(path)]
 
 
-def plan(path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None, config_dir: Optional[str] = None,
-         tp_rules=None) -> ExportPlan:
-    """Plan the export of the HF directory ``path`` (``tag``, ``dtype``, ``tp_rules`` do not apply)."""
-    path = os.path.abspath(path)
+def plan(ctx: PlanContext) -> ExportPlan:
+    """Plan the export of the HF directory ``ctx.path`` (the tag and dtype do not apply)."""
+    path = os.path.abspath(ctx.path)
     tensors: Dict[str, TensorPlan] = {}
     found = weight_names(path)  # checks the index before anything reads through it
     weight_files = found[2] if found else []
@@ -68,12 +71,11 @@ def plan(path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None, c
         raise CheckpointError(f"{path}: no tensors in its weight files; save the model again")
     report = audit(path, files=weight_files)  # the weights only: never optimizer.pt & co. (Trainer)
     notes = [f"{name}: {r['storage_bytes']:,} storage bytes for {r['tensor_bytes']:,} tensor bytes "
-             f"(x{r['ratio']})" + (" — bloated: views of larger storages (seed 002); export writes only "
+             f"(x{r['ratio']})" + (" — bloated: views of larger storages; export writes only "
                                    "each tensor's own bytes" if r["ratio"] > 1.01 else "")
              for name, r in report["files"].items()]
     dtypes = {t.src_dtype for t in tensors.values()}
     files = sorted({p.path for t in tensors.values() for part in t.parts for p in part})
-    return ExportPlan(engine="hf-directory", source=path, tag=None, stage=None, dp_size=1, mp_size=1,
-                      mp_axis="none", tensors=list(tensors.values()),
+    return ExportPlan(engine="hf-directory", source=path, tag=None, tensors=list(tensors.values()),
                       dtypes={"module": dtypes.pop()} if len(dtypes) == 1 else {},
-                      config_dir=config_dir, files=files, notes=notes)
+                      config_dir=ctx.config_dir, files=files, notes=notes)

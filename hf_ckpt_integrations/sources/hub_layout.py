@@ -65,13 +65,14 @@ def _builders(cfg, model_class):
     yield AutoModel.from_config
 
 
-def meta_model(config, model_class=None):
+def meta_model(config, model_class=None, *, cfg: Optional[dict] = None):
     """A model of ``config``'s family (a config object, or a directory holding config.json) on the
     meta device: ``model_class`` when given (a live model's own class), else the class
     ``architectures`` names (what ``save_pretrained`` recorded), else the first Auto class that maps
     the config. None without transformers, or for a config directory whose ``model_type``
     transformers does not know: code named by ``auto_map`` is never imported. CheckpointError for a
-    config.json that is not a JSON object or that transformers cannot build a model from."""
+    config.json that is not a JSON object or that transformers cannot build a model from.
+    ``cfg``: that config.json, already read (an export's :class:`~.protocol.PlanContext` reads it once)."""
     try:
         import torch
         import transformers.modeling_utils as modeling_utils
@@ -83,7 +84,7 @@ def meta_model(config, model_class=None):
     from ..errors import CheckpointError
     from ..guards import read_config
 
-    model_type = read_config(config).get("model_type")
+    model_type = (cfg if cfg is not None else read_config(config)).get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         return None
     try:
@@ -224,11 +225,11 @@ def describe_conversions(layout: Optional[Sequence[HubTensor]], shapes: Dict[str
     return out
 
 
-def _model_for(config_dir: str, model_type: Optional[str]):
+def _model_for(config_dir: str, model_type: Optional[str], cfg: Optional[dict] = None):
     """:func:`meta_model`, or None where it cannot be built and transformers registers no conversion
     for ``model_type`` (custom code: written as trained is then what save_pretrained writes)."""
     try:
-        return meta_model(config_dir)
+        return meta_model(config_dir, cfg=cfg)
     except Exception as e:  # an unknown model type, remote code, a config this transformers rejects
         try:
             from transformers.conversion_mapping import get_checkpoint_conversion_mapping
@@ -278,14 +279,15 @@ def _write_cached(key: str, answer: dict) -> None:
     write_answer("hub-layout", key, answer)
 
 
-def _derive(config_dir: str, model_type, shapes: Dict[str, Tuple[int, ...]], aliases: Dict[str, str]) -> dict:
+def _derive(config_dir: str, model_type, shapes: Dict[str, Tuple[int, ...]], aliases: Dict[str, str],
+            cfg: Optional[dict] = None) -> dict:
     """Ask transformers (a meta model of the config's family): ``{"renames": {stored: kept name},
     "layout": [[name, source, shape, offset], ...] or None (unchanged), "note": str or None}``.
     Raises :class:`LayoutError` for a conversion that is refused."""
     from .config_fit import bounded_build, check_fits
 
-    with bounded_build(config_dir, shapes):  # a config.json far larger than the checkpoint is refused, not built
-        model = _model_for(config_dir, model_type)
+    with bounded_build(config_dir, shapes, cfg):  # a config.json far larger than the checkpoint is refused, not built
+        model = _model_for(config_dir, model_type, cfg)
     if model is None:
         return {"renames": {}, "layout": None,
                 "note": f"config.json's model (type {model_type!r}) cannot be built by the installed transformers "
@@ -298,25 +300,23 @@ def _derive(config_dir: str, model_type, shapes: Dict[str, Tuple[int, ...]], ali
             "layout": None if layout is None else [[h.name, h.source, list(h.shape), h.offset] for h in layout]}
 
 
-def convert_plan(plan, *, use_cache: bool = True) -> None:
+def convert_plan(plan, cfg: dict, *, use_cache: bool = True) -> None:
     """Rewrite ``plan.tensors`` (already without tied aliases) into the Hub layout in place: renamed,
     fused tensors split into byte ranges (:meth:`~..plan.TensorPlan.narrowed`), in save_pretrained's
-    order; ``plan.conversions`` says what was done. Needs ``plan.config_dir``. The answer transformers
+    order; ``plan.conversions`` says what was done. Needs ``plan.config_dir`` and ``cfg``, its
+    config.json (read once per export, :class:`~.protocol.PlanContext`). The answer transformers
     gives is cached (:func:`_read_cached`, :func:`_write_cached`) unless ``use_cache`` is false
     (``verify`` derives it afresh, so a wrong entry can never make it agree with an export)."""
     import dataclasses
 
-    from ..guards import read_config
-
     if plan.config_dir is None or (transformers_major() or 0) < 5:
         return
-    cfg = read_config(plan.config_dir)
     model_type = cfg.get("model_type")
     shapes = {t.name: tuple(t.shape) for t in plan.tensors}
     key = _layout_cache_key(cfg, shapes, plan.aliases)
     entry = _read_cached(key, shapes, plan.aliases) if use_cache else None
     if entry is None:
-        entry = _derive(plan.config_dir, model_type, shapes, plan.aliases)
+        entry = _derive(plan.config_dir, model_type, shapes, plan.aliases, cfg)
         if use_cache:
             _write_cached(key, entry)
     if entry["note"]:

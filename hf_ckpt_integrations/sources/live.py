@@ -4,7 +4,7 @@
 :class:`~..plan.LivePiece`: nothing is copied up front; the writer calls ``read(lo, hi, writer)``
 once it has assigned the tensor to rank ``writer``, and the read yields the bytes:
 
-- ZeRO-1/2 and plain modules: the parameter (often a view into ZeRO's flat buffer, seed 002)
+- ZeRO-1/2 and plain modules: the parameter (often a view into ZeRO's flat buffer)
   is read in place — its own bytes only, never the whole storage, never a clone of the state dict;
 - ZeRO-3: the parameter is never gathered whole. Its flat bytes are the concatenation of the
   ranks' partitions (``param.ds_tensor``, the last one padded). Once the writer has assigned the

@@ -1,4 +1,5 @@
-"""Post-passes the registry runs on every plan, whatever the source (:mod:`.registry`).
+"""Post-passes the registry runs on every plan, whatever the source (:mod:`.registry`), each
+handed the export's :class:`~.protocol.PlanContext` (whose config.json is read once for all of them).
 
 - :func:`find_config_dir` — config discovery: the first candidate a source proposes that holds a
   usable ``config.json``;
@@ -13,6 +14,7 @@ from typing import Optional
 
 from .. import guards
 from ..plan import ExportPlan
+from .protocol import PlanContext
 
 __all__ = ["find_config_dir", "drop_tied_aliases", "tie_embeddings"]
 
@@ -25,12 +27,11 @@ def find_config_dir(candidates) -> Optional[str]:
     return None
 
 
-def drop_tied_aliases(plan: ExportPlan):
+def drop_tied_aliases(plan: ExportPlan, ctx: PlanContext):
     """Tied names (``lm_head.weight`` -> ``model.embed_tokens.weight``) are written once, as
     ``save_pretrained`` does; ``from_pretrained`` re-ties them. Kept when the config says the
     weights are not tied (the engine shared them by hand)."""
-    cfg = guards.read_config(plan.config_dir)
-    if cfg.get("tie_word_embeddings", True) is False and plan.aliases:
+    if ctx.tie_word_embeddings is False and plan.aliases:
         by_name = {t.name: t for t in plan.tensors}
         for alias, target in plan.aliases.items():
             if target in by_name and alias not in by_name:
@@ -45,14 +46,12 @@ _EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "e
                "embeddings.weight")
 
 
-def tie_embeddings(plan: ExportPlan) -> None:
+def tie_embeddings(plan: ExportPlan, ctx: PlanContext) -> None:
     """For sources whose state dicts hold tied weights under both names (``lm_head.weight`` and the
     input embedding: FSDP, torch DCP): when config.json ties them, write the embedding once, as
     ``save_pretrained`` does, and check the other copy is byte-identical to it (a replica, never
     written)."""
-    cfg = guards.read_config(plan.config_dir)
-    tied = cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", True)
-                   if isinstance(cfg.get("text_config"), dict) else True)
+    tied = ctx.tie_word_embeddings
     by_name = {t.name: t for t in plan.tensors}
     head = by_name.get("lm_head.weight")
     if tied is not True or head is None:

@@ -1,29 +1,26 @@
 """The ordered source registry: which source reads a checkpoint, and the passes every plan gets.
 
-A **source** is a module of this package (``sources/<name>.py``) exposing:
+A **source** is a module of this package (``sources/<name>.py``) that follows
+:class:`~.protocol.Source`: ``NAME``, ``LOOKS_FOR``, ``MEMORY_NAMES``, ``OPTIONS`` (the
+:class:`~.protocol.SourceOption` s it takes), ``detect(path, tag)``, ``config_candidates(path, tag)``
+and ``plan(ctx)`` (``ctx``: a :class:`~.protocol.PlanContext`). :func:`register` checks each
+module when :data:`SOURCES` is built, so a module that breaks the protocol fails at import with
+what is wrong, never halfway through an export.
 
-- ``NAME`` — the engine name plans carry (``"deepspeed"``);
-- ``LOOKS_FOR`` — what it recognises, in words (listed when no source matches);
-- ``MEMORY_NAMES`` — True when its tensor names are the model's in-memory names (the Hub-layout
-  pass and the tied-weight policy then apply), False when they are already what
-  ``save_pretrained`` wrote; optionally ``TIED_UNDER_BOTH_NAMES`` (its state dicts hold a tied
-  weight under both names: :func:`~.passes.tie_embeddings` runs first);
-- ``detect(path, tag) -> bool`` — reads names only (never a pickle): does this source claim
-  ``path``? A claim is final: a damaged checkpoint of a source's kind is refused by its
-  ``plan`` with the precise reason, rather than offered to the next source;
-- ``config_candidates(path, tag) -> [dir, ...]`` — where its users keep ``config.json``;
-- ``plan(path, *, tag, dtype, config_dir, tp_rules) -> ExportPlan`` — the plan from metadata only.
+Every "which engine wrote this directory?" question is answered here (:func:`find_source`,
+:func:`engine_checkpoint`); no other module sniffs for another source's files.
 
-:func:`build_plan` asks the sources of :data:`SOURCES` in order and runs the shared passes on
-the plan of the first that claims the path: config discovery, the PEFT adapter pass
-(:mod:`.peft`: a checkpoint of a ``PeftModel`` becomes its adapter directory), tied aliases, the
-Hub-layout conversion, the output dtype decision (:mod:`..dtype_rule`, with the model class's
-fp32-kept modules for a 16-bit export) and :func:`~..plan.check_plan`. Adding a source is one
-module and one line in :data:`SOURCES` (docs/architecture.md, "Adding a source").
+:func:`plan_with` builds the :class:`~.protocol.PlanContext` (the config ``config.json`` read once
+for every pass) and runs the shared passes on the plan of the source that claims the path: config
+discovery, the PEFT adapter pass (:mod:`.peft`: a checkpoint of a ``PeftModel`` becomes its adapter
+directory), tied aliases, the Hub-layout conversion, the output dtype decision (:mod:`..dtype_rule`,
+with the model class's fp32-kept modules for a 16-bit export) and :func:`~..plan.check_plan`.
+Adding a source is one module and one line in :data:`SOURCES` (docs/architecture.md, "Adding a
+source").
 """
 
 import os
-from typing import Optional
+from typing import Any, Dict, Mapping, Optional
 
 from ..errors import CheckpointError
 from ..formats.names import CONFIG_NAME
@@ -31,33 +28,87 @@ from ..plan import ExportPlan, check_plan, decide_dtypes
 from . import dcp, deepspeed, hf_dir, hub_layout, peft, universal
 from .fp32_modules import keep_for_plan
 from .passes import drop_tied_aliases, find_config_dir, tie_embeddings
+from .protocol import PlanContext, SourceOption, check_source, parse_options
 
-__all__ = ["SOURCES", "find_source", "plan_with"]
+__all__ = ["SOURCES", "register", "find_source", "engine_checkpoint", "declared_options", "check_options",
+           "plan_with"]
+
+
+def register(*sources) -> tuple:
+    """``sources``, in order, each checked against the protocol
+    (:class:`~.protocol.SourceProtocolError` naming the module and what it lacks)."""
+    accepted = []
+    for source in sources:
+        check_source(source, accepted, everyone=sources)
+        accepted.append(source)
+    return tuple(accepted)
+
 
 # In order: the first whose detect() claims the path reads it.
-SOURCES = (
+SOURCES = register(
     universal,  # ds_to_universal output (the directory itself, or the tag naming one)
     dcp,  # torch DCP (FSDP, Accelerate save_state, Trainer checkpoint-N under FSDP): before HF weights beside it
-    hf_dir,  # an HF directory, unless it also holds a DeepSpeed checkpoint (a Trainer checkpoint-N)
+    hf_dir,  # an HF directory, unless a DeepSpeed checkpoint also resolves there (its YIELDS_TO)
     deepspeed,  # a DeepSpeed save dir, tag dir or Trainer checkpoint-N
 )
+
+
+def _claims(source, path: str, tag: Optional[str]) -> bool:
+    """``source`` detects ``path`` and no source it yields to holds a complete checkpoint there."""
+    if not source.detect(path, tag):
+        return False
+    yields = getattr(source, "YIELDS_TO", ())
+    return not any(s.NAME in yields and s.holds_checkpoint(path) for s in SOURCES)
 
 
 def find_source(path: str, tag: Optional[str] = None):
     """The first source of :data:`SOURCES` that claims ``path``; :class:`~..errors.CheckpointError`
     listing what was looked for when none does."""
     for source in SOURCES:
-        if source.detect(path, tag):
+        if _claims(source, path, tag):
             return source
     looked = "; ".join(s.LOOKS_FOR for s in SOURCES)
     raise CheckpointError(f"{path}: no checkpoint found there (looked for {looked}); pass a DeepSpeed save dir, "
                           "a tag dir, a Trainer checkpoint-N dir or an HF directory")
 
 
+def engine_checkpoint(path: str) -> Optional[str]:
+    """The ``NAME`` of the source that reads ``path`` when it holds a training engine's checkpoint
+    (DeepSpeed, torch DCP...), None when it holds none (or only HF weights: ``hf_dir``)."""
+    for source in SOURCES:
+        if _claims(source, path, None):
+            return None if source is hf_dir else source.NAME
+    return None
+
+
+def declared_options() -> Dict[str, SourceOption]:
+    """Every option a registered source declares, by name (one declaration per name)."""
+    out: Dict[str, SourceOption] = {}
+    for source in SOURCES:
+        for opt in source.OPTIONS:
+            out.setdefault(opt.name, opt)
+    return out
+
+
+def check_options(options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """``options`` parsed against what the registered sources declare, before anything is read;
+    :class:`~..errors.OptionError` for an option no source takes or a value its parser refuses."""
+    return parse_options({k: v for k, v in (options or {}).items() if v is not None and v != []},
+                         declared_options())
+
+
 def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None,
-              config: Optional[str] = None, tp_rules=None, layout_cache: bool = True) -> ExportPlan:
-    """``source``'s plan of ``path`` with the shared passes applied (see the module doc);
-    ``layout_cache``: whether the Hub-layout pass may answer from its cache."""
+              config: Optional[str] = None, options: Optional[Mapping[str, Any]] = None,
+              layout_cache: bool = True) -> ExportPlan:
+    """``source``'s plan of ``path`` with the shared passes applied (see the module doc).
+    ``options``: parsed source options (:func:`check_options`); those ``source`` does not declare
+    are left out, with a note. ``layout_cache``: whether the Hub-layout pass may answer from its
+    cache."""
+    options = dict(options or {})
+    mine = {o.name: o for o in source.OPTIONS}
+    ignored = sorted(set(options) - set(mine))
+    ctx_options = {name: (list(o.default) if isinstance(o.default, list) else o.default) for name, o in mine.items()}
+    ctx_options.update({k: v for k, v in options.items() if k in mine})
     adapter_config = None
     if config is not None and peft.is_adapter_config_dir(config):
         adapter_config, config = config, None  # --config names a PEFT adapter's directory
@@ -65,17 +116,22 @@ def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[s
         raise CheckpointError(f"{config}: no config.json there; pass --config a directory holding the "
                               "model's config.json (e.g. from model.config.save_pretrained(dir))")
     config_dir = config if config is not None else find_config_dir(source.config_candidates(path, tag))
-    plan = source.plan(path, tag=tag, dtype=dtype, config_dir=config_dir, tp_rules=tp_rules)
+    ctx = PlanContext(path, tag=tag, dtype=dtype, options=ctx_options, config_dir=config_dir)
+    plan = source.plan(ctx)
     plan.config_dir = config_dir
+    if ignored:
+        plan.notes.append(f"option(s) {', '.join(ignored)} do not apply to a {source.NAME} checkpoint: ignored")
     plan = peft.adapter_plan(plan, path, config=adapter_config)  # a PEFT checkpoint: the adapter only
     if plan.adapter is None and config_dir is None:
         plan.notes.append("no config.json found next to the checkpoint: pass --config DIR, or the "
                           "exported directory will not load with from_pretrained")
     elif plan.adapter is None and source.MEMORY_NAMES:
         if getattr(source, "TIED_UNDER_BOTH_NAMES", False):
-            tie_embeddings(plan)
-        drop_tied_aliases(plan)
-        hub_layout.convert_plan(plan, use_cache=layout_cache)
-    decide_dtypes(plan, dtype, keep_for_plan(plan, dtype))
+            tie_embeddings(plan, ctx)
+        drop_tied_aliases(plan, ctx)
+        hub_layout.convert_plan(plan, ctx.config, use_cache=layout_cache)
+    # The fp32-kept lists come from the same config read (the plan's config directory is the context's).
+    decide_dtypes(plan, dtype, keep_for_plan(plan, dtype, (lambda: ctx.config) if plan.config_dir == config_dir
+                                             else None))
     check_plan(plan)
     return plan

@@ -12,12 +12,14 @@ from typing import List, Optional
 from .. import safe_load
 from ..errors import CheckpointError, LayoutError
 from ..plan import ExportPlan, Piece, TensorPlan
+from .protocol import PlanContext
 
-__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "detect", "config_candidates", "plan", "is_universal_dir"]
+__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "detect", "config_candidates", "plan", "is_universal_dir"]
 
 NAME = "deepspeed-universal"
 LOOKS_FOR = "a DeepSpeed universal checkpoint (zero/<param>/fp32.pt, from ds_to_universal)"
 MEMORY_NAMES = True  # the model's own parameter names: the Hub-layout pass applies
+OPTIONS = ()
 
 
 def is_universal_dir(path: str) -> bool:
@@ -45,11 +47,10 @@ def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
     return [d, os.path.dirname(d), os.path.dirname(os.path.dirname(d))]
 
 
-def plan(path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None, config_dir: Optional[str] = None,
-         tp_rules=None) -> ExportPlan:
-    """Plan the export of the universal checkpoint at ``path`` (or ``path/tag``); ``dtype`` and
-    ``tp_rules`` do not apply (ds_to_universal merged the slices; the writer casts)."""
-    path = os.path.abspath(_resolve(path, tag))
+def plan(ctx: PlanContext) -> ExportPlan:
+    """Plan the export of the universal checkpoint at ``ctx.path`` (or ``path/tag``); the dtype does
+    not apply (ds_to_universal merged the slices; the writer casts)."""
+    path = os.path.abspath(_resolve(ctx.path, ctx.tag))
     zero = os.path.join(path, "zero")
     names = sorted(n for n in os.listdir(zero) if os.path.isfile(os.path.join(zero, n, "fp32.pt")))
     order, buffers, shared = [], {}, {}
@@ -80,8 +81,7 @@ def plan(path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None, c
     if not tensors:
         raise CheckpointError(f"{zero}: no parameters; not a ds_to_universal output directory")
     files = sorted({p.path for t in tensors for part in t.parts for p in part})
-    return ExportPlan(engine="deepspeed-universal", source=path, tag=os.path.basename(path), stage=None, dp_size=1,
-                      mp_size=1, mp_axis="none", tensors=tensors,
+    return ExportPlan(engine="deepspeed-universal", source=path, tag=os.path.basename(path), tensors=tensors,
                       aliases={a: t for a, t in shared.items() if a not in names}, dtypes={"master": "F32"},
-                      config_dir=config_dir, files=files,
+                      config_dir=ctx.config_dir, files=files,
                       notes=["universal checkpoint: tensors already merged by ds_to_universal"])

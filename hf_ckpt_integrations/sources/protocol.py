@@ -1,0 +1,209 @@
+"""What a source is (:class:`Source`), what it is handed (:class:`PlanContext`), what it may ask for
+(:class:`SourceOption`), and the check the registry runs on each source it registers
+(:func:`check_source`).
+
+Call order (one export, one process; under ``torchrun`` or in a save-time hook rank 0 plans and
+broadcasts the plan):
+
+1. the registry asks each registered source, in order, ``detect(path, tag)`` (names only, never a
+   pickle); the first that says yes — unless a source named in its ``YIELDS_TO`` holds a complete
+   checkpoint there (``holds_checkpoint(path)``) — claims the path, finally;
+2. the registry builds one :class:`PlanContext`: the path, the tag, the requested dtype, the
+   options the source declared (checked, defaults filled in), and the config directory found
+   through ``config_candidates(path, tag)`` (or ``--config``), whose ``config.json`` is read and
+   validated once, on first use (:attr:`PlanContext.config`);
+3. ``plan(ctx)`` returns an :class:`~..plan.ExportPlan` from metadata only;
+4. the shared passes run on that plan with the same context (docs/architecture.md).
+"""
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, runtime_checkable
+
+from ..errors import OptionError
+
+__all__ = ["SourceOption", "PlanContext", "Source", "SourceProtocolError", "check_source", "parse_options",
+           "tie_word_embeddings"]
+
+
+@dataclass(frozen=True)
+class SourceOption:
+    """An option a source takes (a name map, a pipeline layout, TP merge rules), declared in the
+    source's module as ``OPTIONS = (SourceOption(...), ...)``. The CLI passes it as
+    ``--source-option NAME=VALUE`` and the API as ``source_options={NAME: VALUE}``; neither names it.
+
+    ``parse(value)`` turns one given value (a string from the CLI) into what the source reads, raising
+    ``ValueError`` (or ``TypeError``) with the reason for a bad one. ``repeated``: the option may be
+    given several times; the source then receives a list. ``default``: what the source receives
+    when the option is not given (a list is copied per export)."""
+
+    name: str
+    help: str
+    parse: Callable[[Any], Any] = str
+    repeated: bool = False
+    default: Any = None
+
+
+@runtime_checkable
+class Source(Protocol):
+    """A source: one module of ``sources/`` knowing one engine's on-disk layout.
+
+    Optional members: ``TIED_UNDER_BOTH_NAMES`` (bool: its state dicts hold a tied weight under both
+    names), ``YIELDS_TO`` (names of sources whose complete checkpoint in the same directory comes
+    first) and ``holds_checkpoint(path) -> bool`` (a complete checkpoint of this kind resolves at
+    ``path`` without a tag; what ``YIELDS_TO`` asks)."""
+
+    NAME: str  # the engine name plans carry
+    LOOKS_FOR: str  # what it recognises, in words (listed when no source claims a path)
+    MEMORY_NAMES: bool  # its names are the model's in-memory ones: tied-weight and Hub-layout passes apply
+    OPTIONS: Tuple[SourceOption, ...]  # the options it takes
+
+    def detect(self, path: str, tag: Optional[str]) -> bool: ...
+
+    def config_candidates(self, path: str, tag: Optional[str]) -> List[str]: ...
+
+    def plan(self, ctx: "PlanContext"): ...
+
+
+class SourceProtocolError(TypeError):
+    """A module registered as a source that does not follow :class:`Source` (a bug in the package
+    or in an extension, never bad input)."""
+
+
+def _positional_arity(fn) -> Optional[Tuple[int, int]]:
+    """(required, most) positional arguments ``fn`` takes; None when it cannot be inspected."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = sum(p.default is p.empty for p in positional)
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return required, 1 << 30
+    if any(p.kind is p.KEYWORD_ONLY and p.default is p.empty for p in params):
+        return required, -1  # a required keyword-only argument: never callable as the registry calls it
+    return required, len(positional)
+
+
+def check_source(source, registered: Sequence = (), everyone: Sequence = ()) -> None:
+    """Raise :class:`SourceProtocolError` saying what is missing or wrong unless ``source`` follows
+    :class:`Source`. ``registered``: the sources accepted before it (names must be unique);
+    ``everyone``: all the sources being registered (``YIELDS_TO`` must name one of them)."""
+    who = getattr(source, "__name__", None) or repr(source)
+    problems = []
+    for attr in ("NAME", "LOOKS_FOR"):
+        value = getattr(source, attr, None)
+        if not isinstance(value, str) or not value.strip():
+            problems.append(f"{attr} must be a non-empty string (got {value!r})")
+    if not isinstance(getattr(source, "MEMORY_NAMES", None), bool):
+        problems.append("MEMORY_NAMES must be True or False")
+    if not isinstance(getattr(source, "TIED_UNDER_BOTH_NAMES", False), bool):
+        problems.append("TIED_UNDER_BOTH_NAMES, when given, must be True or False")
+    options = getattr(source, "OPTIONS", None)
+    if not isinstance(options, tuple) or not all(isinstance(o, SourceOption) for o in options):
+        problems.append("OPTIONS must be a tuple of SourceOption (() for none)")
+    else:
+        names = [o.name for o in options]
+        if len(set(names)) != len(names) or not all(n.isidentifier() for n in names):
+            problems.append(f"OPTIONS names must be unique identifiers (got {names})")
+    for attr, want in (("detect", 2), ("config_candidates", 2), ("plan", 1)):
+        fn = getattr(source, attr, None)
+        arity = _positional_arity(fn) if callable(fn) else None
+        if not callable(fn):
+            problems.append(f"{attr}() is missing")
+        elif arity is not None and not arity[0] <= want <= arity[1]:
+            shown = "(path, tag)" if want == 2 else "(ctx: PlanContext)"
+            problems.append(f"{attr}() must be callable as {attr}{shown}")
+    plan_fn = getattr(source, "plan", None)
+    try:
+        keywords = [p.name for p in inspect.signature(plan_fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    except (TypeError, ValueError):
+        keywords = []
+    if keywords:
+        problems.append(f"plan() takes the PlanContext only (it has keyword-only {keywords}): declare options in "
+                        "OPTIONS and read them from ctx.options")
+    yields = getattr(source, "YIELDS_TO", ())
+    holders = {getattr(s, "NAME", None) for s in everyone
+               if s is not source and callable(getattr(s, "holds_checkpoint", None))}
+    if not isinstance(yields, tuple) or not set(yields) <= holders:
+        problems.append(f"YIELDS_TO must be a tuple of names of other registered sources that have "
+                        f"holds_checkpoint(path) (got {yields!r})")
+    if getattr(source, "NAME", None) in {getattr(s, "NAME", None) for s in registered}:
+        problems.append(f"NAME {source.NAME!r} is already registered")
+    if problems:
+        raise SourceProtocolError(f"source {who} does not follow the source protocol "
+                                  f"(hf_ckpt_integrations.sources.protocol.Source): " + "; ".join(problems))
+
+
+def parse_options(given: Optional[Mapping[str, Any]], declared: Mapping[str, SourceOption]) -> Dict[str, Any]:
+    """``given`` (option name -> a value or, for a repeated option, a list of values) checked against
+    ``declared`` and parsed; raises :class:`~..errors.OptionError` naming the option and the fix."""
+    out = {}
+    for name, value in (given or {}).items():
+        opt = declared.get(name)
+        if opt is None:
+            known = ", ".join(sorted(declared)) or "none"
+            raise OptionError(f"--source-option {name}: no source takes this option (options: {known})")
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        if len(values) != 1 and not opt.repeated:
+            raise OptionError(f"--source-option {name}: given {len(values)} times; it takes one value")
+        try:
+            parsed = [opt.parse(v) for v in values]
+        except (ValueError, TypeError) as e:
+            raise OptionError(f"--source-option {name}: {e}") from None
+        out[name] = parsed if opt.repeated else parsed[0]
+    return out
+
+
+@dataclass
+class PlanContext:
+    """What a source's ``plan`` and the shared passes are handed: ``path`` and ``tag`` as given,
+    the requested ``dtype`` (a user name, or None), the ``options`` the source declared (parsed,
+    defaults filled in), and ``config_dir`` (the model's config directory, or None). ``config``
+    is its ``config.json``, read and validated (:func:`~..guards.read_config`) once, on first use."""
+
+    path: str
+    tag: Optional[str] = None
+    dtype: Optional[str] = None
+    options: Dict[str, Any] = field(default_factory=dict)
+    config_dir: Optional[str] = None
+    _config: Optional[dict] = field(default=None, repr=False)
+
+    def option(self, name: str, default=None):
+        """The value of option ``name`` (``default`` when the source declared no such option)."""
+        return self.options.get(name, default)
+
+    @property
+    def config(self) -> dict:
+        """``config_dir/config.json`` as a dict (``{}`` without a config directory)."""
+        if self.config_dir is None:
+            return {}
+        if self._config is None:
+            from ..guards import read_config
+
+            self._config = read_config(self.config_dir)
+        return self._config
+
+    @property
+    def tie_word_embeddings(self):
+        """The config's ``tie_word_embeddings`` (:func:`tie_word_embeddings`)."""
+        return tie_word_embeddings(self.config)
+
+
+# The names under which PreTrainedConfig.get_text_config(decoder=True) finds the text decoder's config.
+_TEXT_CONFIG_NAMES = ("decoder", "generator", "text_config")
+
+
+def tie_word_embeddings(cfg: Mapping[str, Any]):
+    """``tie_word_embeddings`` of a config.json dict, as recorded (the callers decide what a value
+    other than True/False means), read as transformers reads it: the value at top level when the
+    file records one (transformers 5 keeps it there, forwarding a pre-5 value from
+    ``text_config``), else that of the text decoder's config — the one sub-config
+    ``PreTrainedConfig.get_text_config(decoder=True)`` returns (``decoder``, ``generator`` or
+    ``text_config``) — else True (``PretrainedConfig``'s default)."""
+    if "tie_word_embeddings" in cfg:
+        return cfg["tie_word_embeddings"]
+    subs = [cfg[n] for n in _TEXT_CONFIG_NAMES if isinstance(cfg.get(n), dict)]
+    if len(subs) == 1:  # several: get_text_config refuses to choose; neither do we
+        return subs[0].get("tie_word_embeddings", True)
+    return True
