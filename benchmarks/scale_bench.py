@@ -60,7 +60,7 @@ WHAT_THE_CURVE_SHOWED = """### What the curve showed, and what was fixed
   copy. Each piece went through the general segment walker with its bounds checks; with one
   contiguous flat buffer per rank (what DeepSpeed writes) a piece is now one addition, the bounds
   already proven by `zero3_fragments`, which itself now walks only the ranks that hold a
-  parameter's elements (`layout.py`), not every rank for every parameter.
+  parameter's elements (`sources/deepspeed/partitions.py`), not every rank for every parameter.
 - What remains is linear: reading one optimizer file per rank (its zip directory and pickle, a
   few ms each) plus a constant per piece. ZeRO-1/2 have one piece per tensor plus one per
   partition boundary, so their plan hardly grows with the rank count.

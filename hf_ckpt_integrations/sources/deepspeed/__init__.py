@@ -13,11 +13,11 @@ import re
 from collections import OrderedDict
 from typing import Dict, List, Optional
 
-from .. import guards, safe_load
-from ..errors import CheckpointError, LayoutError
-from ..plan import ExportPlan, Piece, TensorPlan, dtype_from_name
-from . import layout
-from .tp_rules import Rule, concat_shape, hf_plans_for, parse_user_rule, rule_from_hf_plan, rule_from_universal_info, rule_from_user
+from ... import guards, safe_load
+from ...errors import CheckpointError, LayoutError
+from ...plan import ExportPlan, Piece, TensorPlan, dtype_from_name
+from . import partitions as layout
+from ..tp_rules import Rule, concat_shape, hf_plans_for, parse_user_rule, rule_from_hf_plan, rule_from_universal_info, rule_from_user
 
 __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "detect", "config_candidates", "plan", "resolve_tag_dir",
            "holds_checkpoint"]
@@ -265,8 +265,8 @@ def _merge_model_parallel(tag_dir, per_mp, config_dir, user_rules) -> ExportPlan
 
 
 def _all_identical(slices) -> bool:
-    from ..assemble import check_replicas
-    from ..safe_load import MappedFiles
+    from ...assemble import check_replicas
+    from ...safe_load import MappedFiles
 
     with MappedFiles() as files:
         for n, ss in slices.items():
@@ -511,7 +511,7 @@ def _prove_places(ranks, group, names, frags, parts, copies, model_path):
 
     Raises :class:`LayoutError` naming the file and the element that disagrees.
     """
-    from ..casts import cast_bytes  # numpy: the one rounding implementation (bitwise torch's)
+    from ...casts import cast_bytes  # numpy: the one rounding implementation (bitwise torch's)
 
     by_rank = {r: [] for r in range(len(parts))}  # rank -> [(local start, count, name, offset in param)]
     for name, fr in zip(names, frags):
