@@ -13,7 +13,7 @@ from typing import Iterator, NamedTuple
 from .errors import LayoutError
 from .formats.dtypes import FLOATS as FLOAT_DTYPES, SIZES as DTYPE_SIZES, to_torch as _torch_dtype
 from .plan import TensorPlan
-from .safe_load import MappedFiles
+from .mapped_files import MappedFiles
 
 __all__ = ["assemble_chunks", "iter_bytes", "to_torch", "check_replicas", "check_module_copy",
            "FileRange", "FLOAT_DTYPES"]

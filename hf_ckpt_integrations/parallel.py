@@ -26,7 +26,7 @@ from typing import Optional
 from .commit import SiblingSwap
 from .orchestrator import TorchComm, WriteError, write
 from .plan import ExportPlan
-from .safe_load import MappedFiles
+from .mapped_files import MappedFiles
 from .writer import MAX_SHARD_SIZE, check_max_shard_size, export_finisher, plan_inputs, plan_tensors
 
 __all__ = ["ParallelExportError", "write_plan_parallel", "world_from_env"]

@@ -105,7 +105,7 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
     is written then.
     """
     from .assemble import to_torch
-    from .safe_load import MappedFiles
+    from .mapped_files import MappedFiles
     from .sources import build_plan
     from .sources.peft import read_adapter_config
     from .commit import SiblingSwap

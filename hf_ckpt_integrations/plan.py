@@ -346,8 +346,8 @@ def check_plan(plan: ExportPlan) -> None:
 
     Raises :class:`~.errors.LayoutError` naming the tensor.
     """
-    from .errors import LayoutError
-    from .safe_load import MAX_NDIM, short_repr
+    from .errors import LayoutError, short_repr
+    from .formats.dtypes import MAX_NDIM
 
     seen = set()
     for t in plan.tensors:

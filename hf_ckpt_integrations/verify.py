@@ -10,7 +10,7 @@ from typing import Dict, List, Tuple
 from .assemble import check_module_copy, iter_bytes
 from .formats.dtypes import SIZES as DTYPE_SIZES
 from .formats.safetensors import read_hf_dir  # re-exported: what verify reads the export with
-from .safe_load import MappedFiles
+from .mapped_files import MappedFiles
 
 __all__ = ["VerifyReport", "read_hf_dir", "verify_plan"]
 
@@ -73,7 +73,7 @@ def _check_source_crc(plan, report) -> None:
     the checksum the zip recorded when torch saved it: a flipped bit in a partition is a difference."""
     import zipfile
 
-    from .safe_load import check_crc
+    from .formats.torch_files import check_crc
 
     ranges: Dict[str, List[Tuple[int, int]]] = {}
     for t in plan.tensors:

@@ -35,7 +35,7 @@ from .formats.names import SAFETENSORS_PATTERN as SAFETENSORS_FILENAME_PATTERN
 from .formats.safetensors import encode_header
 from .guards import copyable_problem
 from .plan import ExportPlan, decide_dtypes
-from .safe_load import MappedFiles
+from .mapped_files import MappedFiles
 
 __all__ = ["OutTensor", "split_shards", "shard_order", "write_shard", "write_index", "copy_config_files", "Staging",
            "set_config_dtype", "write_plan", "MAX_SHARD_SIZE", "SAFETENSORS_FILENAME_PATTERN", "INDEX_NAME",

@@ -213,18 +213,18 @@ def test_rank_number_of_a_trillion(z2, tmp_path):
 
 def test_unpickler_budgets_in_process():
     """The budgets themselves, without a subprocess: each hostile tree is refused quickly."""
-    from hf_ckpt_integrations import safe_load
+    from hf_ckpt_integrations.formats import torch_files, unpickler
     from hf_ckpt_integrations.errors import CheckpointError
 
     def load(pkl, tmp=Path(os.environ.get("TMPDIR", "/tmp"))):
         p = tmp / f"budget-{os.getpid()}.pt"
         try:
-            return safe_load.load(torch_zip(p, pkl))
+            return torch_files.load(torch_zip(p, pkl))
         finally:
             p.unlink()
 
     assert load(raw_pickle(b"}X\x01\x00\x00\x00wK\x01s")) == {"w": 1}
-    for pkl, match in [(deep_tuple(safe_load.MAX_DEPTH + 5), "nests deeper"),
+    for pkl, match in [(deep_tuple(unpickler.MAX_DEPTH + 5), "nests deeper"),
                        (raw_pickle(tuple_dag(40)), "objects"), (raw_pickle(list_dag(40)), "objects"),
                        (raw_pickle(b"}" + tuple_dag(3) + b"K\x01s"), "dict key"),
                        (raw_pickle(b"\x8f(" + tuple_dag(3) + b"\x90"), "set element"),

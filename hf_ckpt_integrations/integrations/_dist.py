@@ -154,7 +154,7 @@ def consolidate_checkpoint(checkpoint_dir, *, tag: Optional[str] = None, dtype: 
     """
     if existing not in ("auto", "replace"):
         raise ValueError(f"existing={existing!r}; use 'auto' or 'replace'")
-    from ..safe_load import MappedFiles
+    from ..mapped_files import MappedFiles
     from ..sources import build_plan
     from ..writer import plan_tensors
 

@@ -63,7 +63,7 @@ def _config_on_rank0(model, adapter, out_dir, what):
 def consolidate_adapter(checkpoint_dir, model, *, dtype: Optional[str] = None) -> dict:
     """Write each trained adapter of ``model`` into ``checkpoint_dir`` (a subdirectory for an
     adapter not named ``default``, as peft does) from the DeepSpeed checkpoint there. Collective."""
-    from ..safe_load import MappedFiles
+    from ..mapped_files import MappedFiles
     from ..sources import build_plan
     from ..writer import plan_tensors
 

@@ -9,11 +9,11 @@ storages); ``export`` rewrites the tensors as lean safetensors; ``verify`` compa
 import os
 from typing import Dict, List, Optional
 
-from .. import safe_load
 from ..errors import CheckpointError, LayoutError
 from ..formats.dtypes import SIZES
 from ..formats.names import has_weights, weight_names
 from ..formats.safetensors import read_hf_dir
+from ..formats.torch_files import TensorRef, load as load_torch_file
 from ..plan import ExportPlan, Piece, TensorPlan
 from . import deepspeed
 from .audit import audit
@@ -54,12 +54,12 @@ def plan(path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None, c
     else:
         for fname in weight_files:
             f = os.path.join(path, fname)
-            state = safe_load.load(f)
+            state = load_torch_file(f)
             if not isinstance(state, dict):
                 raise LayoutError(f"{f}: holds a {type(state).__name__}, not a state dict; save it with "
                                   "model.state_dict()")
             for name, ref in state.items():
-                if not isinstance(ref, safe_load.TensorRef):
+                if not isinstance(ref, TensorRef):
                     continue
                 offset, _ = ref.byte_range()
                 tensors[str(name)] = TensorPlan(str(name), ref.shape, ref.dtype,

@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO-1/2/3 checkpoints on disk -> :class:`~...plan.ExportPlan`.
 
-Reads only pickled metadata (through :mod:`...safe_load`, never DeepSpeed or torch); tensors
-stay :class:`~...safe_load.TensorRef` byte ranges until the writer copies them. Files are
+Reads only pickled metadata (through :mod:`...formats.torch_files` with the allowlist of
+:mod:`.allowlist`, never DeepSpeed or torch); tensors stay
+:class:`~...formats.torch_files.TensorRef` byte ranges until the writer copies them. Files are
 placed by the data-parallel rank in their name read as a number (never by sort order), and
 ZeRO-1/2 placements are then proven against the offsets each file records
 (``param_slice_mappings``).
@@ -17,17 +18,18 @@ import os
 from collections import OrderedDict
 from typing import Dict, List, Optional
 
-from ... import safe_load
-from ...errors import CheckpointError, LayoutError
+from ...errors import CheckpointError, LayoutError, short_repr
+from ...formats.torch_files import TensorRef
 from ...plan import ExportPlan, TensorPlan, dtype_from_name
 from ..tp_rules import parse_user_rule
+from .allowlist import ALLOWED, load
 from .fields import check_model_types, meta_int, require, tensor_pieces
 from .rank_files import RankFile, find_rank_files, holds_checkpoint, is_tag_dir, list_tags, resolve_tag_dir
 from .tp_merge import merge_model_parallel
 from .zero12 import plan_zero12, plan_zero12_frozen
 from .zero3 import plan_zero3, plan_zero3_frozen
 
-__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "detect", "config_candidates", "plan", "plan_mp_rank",
+__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "ALLOWED", "detect", "config_candidates", "plan", "plan_mp_rank",
            "resolve_tag_dir", "holds_checkpoint"]
 
 NAME = "deepspeed"
@@ -54,7 +56,7 @@ def plan(src: str, *, tag: Optional[str] = None, dtype: Optional[str] = None, co
 
     ``config_dir``: the config the registry found (its TP merge rules are read from it).
     ``tp_rules``: ``["PATTERN=0|1|replicated", ...]`` for model-parallel parameters that neither
-    the checkpoint nor the HF config describes (see :mod:`.tp_rules`).
+    the checkpoint nor the HF config describes (see :mod:`..tp_rules`).
     """
     out_dtype = dtype_from_name(dtype)
     try:
@@ -92,7 +94,7 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
         counts = pc if isinstance(pc, list) else [pc]
         r_stage = meta_int(r.osd["zero_stage"], r.path, "zero_stage")
         if r_stage != stage or not counts or any(meta_int(c, r.path, "partition_count") != dp for c in counts):
-            raise LayoutError(f"{r.path}: records zero_stage={r_stage} partition_count={safe_load.short_repr(pc)}, "
+            raise LayoutError(f"{r.path}: records zero_stage={r_stage} partition_count={short_repr(pc)}, "
                               f"but the tag holds {dp} rank files of stage {stage}; files from different "
                               "saves are mixed: copy one save's tag directory again")
     if stage == 3:
@@ -105,7 +107,7 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
         if model_path is None:
             raise LayoutError(f"{tag_dir}: mp_rank_{mp_rank:02d}_model_states.pt is missing; copy the whole "
                               "tag directory again")
-    model = safe_load.load(model_path)
+    model = load(model_path)
     param_groups = require(model, "param_shapes", model_path, "model-states")
     check_model_types(model, model_path)
     module = model.get("module") or {}
@@ -121,23 +123,23 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
         plan_zero12_frozen(model, model_path, tensors)
     for name in buffer_names:
         ref = module.get(name)
-        if isinstance(ref, safe_load.TensorRef):
+        if isinstance(ref, TensorRef):
             tensors[name] = TensorPlan(name, ref.shape, ref.dtype, [[tensor_pieces(ref, 0, ref.numel)]],
                                        kind="buffer")
     if stage != 3:
         # ZeRO-1 keeps frozen parameters only in the module state dict.
         for name, ref in module.items():
-            if name in tensors or name in shared or not isinstance(ref, safe_load.TensorRef):
+            if name in tensors or name in shared or not isinstance(ref, TensorRef):
                 continue
             tensors[name] = TensorPlan(name, ref.shape, ref.dtype, [[tensor_pieces(ref, 0, ref.numel)]],
                                        kind="frozen")
-    module_dtypes = {ref.dtype for ref in module.values() if isinstance(ref, safe_load.TensorRef)}
+    module_dtypes = {ref.dtype for ref in module.values() if isinstance(ref, TensorRef)}
     module_dtype = module_dtypes.pop() if len(module_dtypes) == 1 else None
     if out_dtype is not None and stage != 3 and out_dtype == module_dtype:
         # The 16-bit (or fp32) module weights are saved whole: copy them instead of casting masters.
         for name, t in tensors.items():
             ref = module.get(name)
-            if t.kind == "master" and isinstance(ref, safe_load.TensorRef) and ref.shape == t.shape:
+            if t.kind == "master" and isinstance(ref, TensorRef) and ref.shape == t.shape:
                 tensors[name] = TensorPlan(name, t.shape, ref.dtype, [[tensor_pieces(ref, 0, ref.numel)]],
                                            kind="module", module_check=t.module_check)
 

@@ -6,8 +6,9 @@ than failing deep inside the planning; pieces are byte ranges of the tensors the
 
 import math
 
-from ... import safe_load
-from ...errors import CheckpointError, LayoutError
+from ...errors import CheckpointError, LayoutError, short_repr
+from ...formats.dtypes import MAX_NDIM
+from ...formats.torch_files import TensorRef
 from ...plan import Piece
 
 __all__ = ["require", "check_model_types", "check_optim_types", "meta_int", "recorded_shape", "numel",
@@ -25,7 +26,7 @@ def require(obj, key, path, what):
 def _typed(value, ok, path, key):
     if not ok(value):
         raise LayoutError(f"{path}: recorded {key} has an unexpected type ({type(value).__name__}: "
-                          f"{safe_load.short_repr(value)}); the file is corrupt or not written by DeepSpeed: "
+                          f"{short_repr(value)}); the file is corrupt or not written by DeepSpeed: "
                           "copy it again from the training run")
 
 
@@ -61,15 +62,15 @@ def meta_int(value, path, key):
     """A recorded integer (``zero_stage``, ``partition_count``...), or LayoutError naming the file."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    raise LayoutError(f"{path}: recorded {key} is {safe_load.short_repr(value)}, not an integer; the file is "
+    raise LayoutError(f"{path}: recorded {key} is {short_repr(value)}, not an integer; the file is "
                       "corrupt or not written by DeepSpeed: copy it again from the training run")
 
 
 def recorded_shape(value, path, name):
-    if not isinstance(value, (tuple, list)) or len(value) > safe_load.MAX_NDIM or \
+    if not isinstance(value, (tuple, list)) or len(value) > MAX_NDIM or \
             not all(type(s) is int for s in value):
-        raise LayoutError(f"{path}: recorded shape of {safe_load.short_repr(name)} is not a shape "
-                          f"({safe_load.short_repr(value)}); the file is corrupt")
+        raise LayoutError(f"{path}: recorded shape of {short_repr(name)} is not a shape "
+                          f"({short_repr(value)}); the file is corrupt")
     shape = tuple(value)
     if any(s < 0 for s in shape):
         raise LayoutError(f"{path}: recorded shape of {name} is negative ({shape}); the file is corrupt")
@@ -80,8 +81,8 @@ def numel(shape):
     return math.prod(shape)
 
 
-def tensor_pieces(ref: safe_load.TensorRef, start: int, count: int) -> Piece:
-    if not isinstance(ref, safe_load.TensorRef):
+def tensor_pieces(ref: TensorRef, start: int, count: int) -> Piece:
+    if not isinstance(ref, TensorRef):
         raise LayoutError(f"expected a tensor, found {type(ref).__name__}; the file is corrupt")
     if start < 0 or count < 0 or start + count > ref.numel:
         raise LayoutError(f"{ref.path}: a recorded offset points past the end of a partition "

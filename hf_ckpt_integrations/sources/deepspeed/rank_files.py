@@ -12,8 +12,9 @@ import os
 import re
 from typing import Dict, List, Optional, Tuple
 
-from ... import guards, safe_load
+from ... import guards
 from ...errors import CheckpointError, LayoutError
+from .allowlist import load
 from .fields import check_optim_types, require
 
 __all__ = ["OPTIM_RE", "MODEL_RE", "RankFile", "is_tag_dir", "list_tags", "resolve_tag_dir", "holds_checkpoint",
@@ -100,7 +101,7 @@ class RankFile:
     @property
     def osd(self):
         if self._osd is None:
-            obj = safe_load.load(self.path)
+            obj = load(self.path)
             self._osd = require(obj, "optimizer_state_dict", self.path, "ZeRO optimizer")
             if not isinstance(self._osd, dict) or "zero_stage" not in self._osd:
                 raise CheckpointError(f"{self.path}: optimizer state has no 'zero_stage'; not a ZeRO "

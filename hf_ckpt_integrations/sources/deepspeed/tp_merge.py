@@ -83,7 +83,7 @@ def merge_model_parallel(tag_dir, per_mp, config_dir, user_rules) -> ExportPlan:
 
 def all_identical(slices) -> bool:
     from ...assemble import check_replicas
-    from ...safe_load import MappedFiles
+    from ...mapped_files import MappedFiles
 
     with MappedFiles() as files:
         for n, ss in slices.items():

@@ -4,8 +4,9 @@ against the module weights the model-states file holds whole."""
 
 import os
 
-from ... import safe_load
 from ...errors import LayoutError
+from ...formats.torch_files import TensorRef
+from ...mapped_files import MappedFiles
 from ...plan import TensorPlan
 from . import partitions as layout
 from .fields import numel, recorded_shape, tensor_pieces
@@ -28,7 +29,7 @@ def plan_zero12(ranks, param_groups, model_path, tensors, module):
             except (KeyError, IndexError, TypeError):
                 raise LayoutError(f"{ranks[r].path}: has no fp32 partition for parameter group {i} "
                                   f"({len(param_groups)} groups recorded); files from different saves are mixed")
-            if not isinstance(parts[-1], safe_load.TensorRef) or parts[-1].dtype != "F32":
+            if not isinstance(parts[-1], TensorRef) or parts[-1].dtype != "F32":
                 raise LayoutError(f"{ranks[r].path}: fp32 partition of group {i} is not an fp32 tensor; "
                                   "the file is corrupt")
         gaps = param_alignment_paddings(ranks, i)
@@ -63,7 +64,7 @@ PLACE_SAMPLES = 8
 
 def module_copy(ref, shape):
     """The module weight matching a master of ``shape``, if the model-states file holds one."""
-    if isinstance(ref, safe_load.TensorRef) and ref.shape == tuple(shape) and ref.is_contiguous() and \
+    if isinstance(ref, TensorRef) and ref.shape == tuple(shape) and ref.is_contiguous() and \
             ref.dtype in ("F32", "BF16", "F16"):
         return ref
     return None
@@ -85,7 +86,7 @@ def prove_places(ranks, group, names, frags, parts, copies, model_path):
         for r, local, count in fr:
             by_rank[r].append((local, count, name, done))
             done += count
-    with safe_load.MappedFiles() as files:
+    with MappedFiles() as files:
         for r, spans in by_rank.items():
             n = parts[r].numel
             for pos in sorted({(n - 1) * k // (PLACE_SAMPLES - 1) for k in range(PLACE_SAMPLES)} if n else ()):
@@ -148,6 +149,6 @@ def plan_zero12_frozen(model, model_path, tensors):
     for name, shape in shapes.items():
         ref = frags.get(name)
         shape = recorded_shape(shape, model_path, name)
-        if not isinstance(ref, safe_load.TensorRef) or ref.numel != numel(shape):
+        if not isinstance(ref, TensorRef) or ref.numel != numel(shape):
             raise LayoutError(f"{model_path}: frozen parameter {name} has no fragment of {numel(shape)} elements")
         tensors[name] = TensorPlan(name, shape, ref.dtype, [[tensor_pieces(ref, 0, ref.numel)]], kind="frozen")

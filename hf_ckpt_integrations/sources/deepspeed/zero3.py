@@ -3,10 +3,11 @@ fp32 flat buffer holding its chunks back to back (the arithmetic is :mod:`.parti
 
 from collections import OrderedDict
 
-from ... import safe_load
 from ...errors import LayoutError
+from ...formats.torch_files import TensorRef
 from ...plan import Piece, TensorPlan
 from . import partitions as layout
+from .allowlist import load
 from .fields import numel, recorded_shape, tensor_pieces
 
 __all__ = ["plan_zero3", "plan_zero3_frozen", "segmented_pieces"]
@@ -21,7 +22,7 @@ def plan_zero3(ranks, param_groups, model_path, tensors):
     flats = []
     for r in range(dp):
         groups = ranks[r].osd.get("fp32_flat_groups")
-        if not isinstance(groups, list) or not all(isinstance(g, safe_load.TensorRef) and g.dtype == "F32"
+        if not isinstance(groups, list) or not all(isinstance(g, TensorRef) and g.dtype == "F32"
                                                    for g in groups):
             raise LayoutError(f"{ranks[r].path}: no fp32_flat_groups tensors; not a ZeRO-3 optimizer file "
                               "or corrupt")
@@ -69,11 +70,11 @@ def segmented_pieces(segments, start, count):
 
 
 def plan_zero3_frozen(model_files, dp, tensors):
-    first = safe_load.load(model_files[0])
+    first = load(model_files[0])
     shapes = first.get("frozen_param_shapes") or {}
     # The other ranks' model files only matter for their frozen fragments: reading all of them
     # (each pickles every parameter's shape) was most of the plan time at 64+ ranks.
-    per_rank = [first] + [safe_load.load(model_files[r]) for r in range(1, dp)] if dp > 1 and shapes else None
+    per_rank = [first] + [load(model_files[r]) for r in range(1, dp)] if dp > 1 and shapes else None
     for name, shape in shapes.items():
         shape = recorded_shape(shape, model_files[0], name)
         n = numel(shape)
@@ -84,7 +85,7 @@ def plan_zero3_frozen(model_files, dp, tensors):
             if count <= 0:
                 break
             ref = ((per_rank[r] if per_rank else first).get("frozen_param_fragments") or {}).get(name)
-            if not isinstance(ref, safe_load.TensorRef) or ref.numel < count:
+            if not isinstance(ref, TensorRef) or ref.numel < count:
                 raise LayoutError(f"{model_files[r]}: frozen parameter {name} has no fragment of {count} "
                                   "elements; files from different saves are mixed")
             pieces.append(tensor_pieces(ref, 0, count))
