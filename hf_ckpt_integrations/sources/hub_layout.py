@@ -254,7 +254,7 @@ def _layout_cache_path(cfg: dict, shapes: Dict[str, Tuple[int, ...]], aliases: D
     import json
     import os
 
-    from .. import __version__
+    from .._version import __version__
 
     root = os.environ.get("HF_CKPT_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "hf_ckpt_integrations")
