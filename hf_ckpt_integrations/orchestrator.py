@@ -1,6 +1,6 @@
 """The one writer orchestrator: every path that writes HF weights runs :func:`write`.
 
-Offline export (:func:`~.writer.write_plan`, one process), rank-parallel export
+Offline export (:func:`~.export.write_plan`, one process), rank-parallel export
 (:func:`~.parallel.write_plan_parallel`, under torchrun) and the save-time hooks
 (:func:`~.integrations._dist.write_distributed`) are thin front ends that build the tensors and
 a commit strategy (:mod:`.commit`) and call :func:`write`. Call order — every rank of ``comm``

@@ -12,8 +12,9 @@ gives the call order; commit strategies are in :mod:`.commit`):
 2. :func:`write_shard` streams one file (header, then each tensor's bytes from its ``chunks``);
 3. :func:`write_index` and :func:`copy_config_files` finish the directory.
 
-:func:`write_plan` is the offline front end: one process, :class:`~.commit.SiblingSwap`
-(``Staging`` is its old name).
+The front ends that run it: :func:`~.export.write_plan` (offline, one process),
+:func:`~.parallel.write_plan_parallel` (under ``torchrun``), the save-time hooks
+(:mod:`.integrations`). ``Staging`` is the old name of :class:`~.commit.SiblingSwap`.
 """
 
 import errno
@@ -38,9 +39,9 @@ from .plan import ExportPlan, decide_dtypes
 from .mapped_files import MappedFiles
 
 __all__ = ["OutTensor", "split_shards", "shard_order", "write_shard", "write_index", "copy_config_files", "Staging",
-           "set_config_dtype", "write_plan", "MAX_SHARD_SIZE", "SAFETENSORS_FILENAME_PATTERN", "INDEX_NAME",
+           "set_config_dtype", "MAX_SHARD_SIZE", "SAFETENSORS_FILENAME_PATTERN", "INDEX_NAME",
            "TMP_MARKER", "CONFIG_FILES", "check_max_shard_size", "check_workers", "plan_inputs", "fsync_dir",
-           "disk_error", "export_finisher"]
+           "disk_error"]
 
 # The old name of the export commit strategy (:class:`~.commit.SiblingSwap`).
 Staging = SiblingSwap
@@ -219,45 +220,3 @@ def plan_tensors(plan: ExportPlan, dtype: Optional[str], files: MappedFiles, *, 
         d = t.out_dtype
         out.append(OutTensor(t.name, d, tuple(t.shape), lambda t=t, d=d: iter_bytes(t, d, files, ranges=ranges)))
     return out
-
-
-def write_plan(plan: ExportPlan, dst, *, dtype: Optional[str] = None, max_shard_size=MAX_SHARD_SIZE,
-               overwrite: bool = False, quiet: bool = False, workers: int = 1) -> dict:
-    """Write ``plan`` to ``dst`` in one process; return a report (files, bytes, seconds).
-
-    Runs the one writer (:func:`~.orchestrator.write`) with one rank and the
-    :class:`~.commit.SiblingSwap` strategy. ``workers`` > 1 writes that many shards at once from a
-    thread pool (file copies and fsyncs release the GIL; the bytes are identical to one worker's).
-
-    Raises :class:`DestinationError` when ``dst`` exists (without ``overwrite``), is or holds or lies
-    inside the source, or cannot be written; :class:`~.errors.OptionError` for a bad option; on any
-    failure nothing is left behind but what was at ``dst`` before. Config files that are not copied
-    (:func:`copy_config_files`) are listed in the report's ``warnings``.
-    """
-    from .orchestrator import write
-
-    max_shard_size = check_max_shard_size(max_shard_size)
-    check_workers(workers)
-    strategy = SiblingSwap(dst, overwrite=overwrite, inputs=plan_inputs(plan), configs=[plan.config_dir])
-    with MappedFiles() as files:
-        tensors = plan_tensors(plan, dtype, files, ranges=True)
-        report = write(tensors, strategy, max_shard_size=max_shard_size, finish=export_finisher(plan),
-                       fmt="adapter" if plan.adapter is not None else "safetensors",
-                       workers=workers, quiet=quiet, what=f"exporting into {dst}")
-    return _export_report(report)
-
-
-def export_finisher(plan: ExportPlan):
-    """The ``finish`` step of an export: the config and tokenizer files, with the dtype recorded."""
-    def finish(staging, tensors):
-        skipped: List[str] = []
-        if plan.adapter is not None:  # a PEFT adapter directory: its adapter_config.json, no model config
-            return {"config_files": copy_adapter_config(plan.adapter["config"], staging, skipped), "warnings": skipped}
-        copied = copy_config_files(plan.config_dir, staging, skipped, tensors=tensors)
-        return {"config_files": copied, "warnings": skipped}
-    return finish
-
-
-def _export_report(report: dict) -> dict:
-    keys = ("destination", "files", "shards", "tensor_bytes", "bytes_on_disk", "config_files", "warnings", "seconds")
-    return {k: report[k] for k in keys}
