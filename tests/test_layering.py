@@ -96,6 +96,19 @@ def test_no_module_imports_the_package_root():
     assert not upward, f"modules importing the package root {ROOT} (import the leaf module instead): {upward}"
 
 
+# The stages after planning: a source (at any depth under sources/) reads files only.
+LATER = ("writer", "export", "orchestrator", "commit", "verify", "lean", "parallel", "integrations", "cli", "api")
+
+
+def test_sources_import_no_later_stage():
+    graph = import_graph()
+    later = {f"{ROOT}.{m}" for m in LATER}
+    bad = sorted((name, sorted(e for e in edges if e in later or e.startswith(f"{ROOT}.integrations.")))
+                 for name, edges in graph.items() if name.startswith(f"{ROOT}.sources"))
+    bad = [b for b in bad if b[1]]
+    assert not bad, f"sources importing a later stage: {bad}"
+
+
 def test_the_checks_find_what_they_look_for(tmp_path):
     """On a toy package: a loop through a lazy import and an import of the root are both found."""
     pkg = tmp_path / "toy"
