@@ -12,8 +12,8 @@ from typing import Iterator, NamedTuple
 
 from .errors import LayoutError
 from .formats.dtypes import FLOATS as FLOAT_DTYPES, SIZES as DTYPE_SIZES, to_torch as _torch_dtype
-from .plan import TensorPlan
 from .mapped_files import MappedFiles
+from .plan import TensorPlan
 
 __all__ = ["assemble_chunks", "iter_bytes", "to_torch", "check_replicas", "check_module_copy",
            "FileRange", "FLOAT_DTYPES"]

@@ -24,10 +24,10 @@ import os
 from typing import Optional
 
 from .commit import SiblingSwap
+from .export import export_finisher
+from .mapped_files import MappedFiles
 from .orchestrator import TorchComm, WriteError, write
 from .plan import ExportPlan
-from .mapped_files import MappedFiles
-from .export import export_finisher
 from .writer import MAX_SHARD_SIZE, check_max_shard_size, plan_inputs, plan_tensors
 
 __all__ = ["ParallelExportError", "write_plan_parallel", "world_from_env"]

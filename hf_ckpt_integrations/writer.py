@@ -35,8 +35,8 @@ from .formats.names import CONFIG_FILES, MAX_SHARD_SIZE, SAFETENSORS_INDEX as IN
 from .formats.names import SAFETENSORS_PATTERN as SAFETENSORS_FILENAME_PATTERN
 from .formats.safetensors import encode_header
 from .guards import copyable_problem
-from .plan import ExportPlan, decide_dtypes
 from .mapped_files import MappedFiles
+from .plan import ExportPlan, decide_dtypes
 
 __all__ = ["OutTensor", "split_shards", "shard_order", "write_shard", "write_index", "copy_config_files", "Staging",
            "set_config_dtype", "MAX_SHARD_SIZE", "SAFETENSORS_FILENAME_PATTERN", "INDEX_NAME",
