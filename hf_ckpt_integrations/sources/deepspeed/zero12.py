@@ -8,7 +8,7 @@ from ...errors import LayoutError
 from ...formats.torch_files import TensorRef
 from ...mapped_files import MappedFiles
 from ...plan import TensorPlan
-from . import partitions as layout
+from . import partitions
 from .fields import numel, recorded_shape, tensor_pieces
 
 __all__ = ["plan_zero12", "plan_zero12_frozen", "module_copy", "prove_places", "param_alignment_paddings",
@@ -34,7 +34,7 @@ def plan_zero12(ranks, param_groups, model_path, tensors, module):
                                   "the file is corrupt")
         gaps = param_alignment_paddings(ranks, i)
         try:
-            frags = layout.zero12_fragments([numel(s) for s in shapes], [p.numel for p in parts], pads, gaps)
+            frags = partitions.zero12_fragments([numel(s) for s in shapes], [p.numel for p in parts], pads, gaps)
         except ValueError as e:
             raise LayoutError(f"{ranks[0].path}: parameter group {i}: {e}; the model-states file "
                               f"{os.path.basename(model_path)} and the optimizer files come from different "
@@ -43,7 +43,7 @@ def plan_zero12(ranks, param_groups, model_path, tensors, module):
             recorded = ranks[r].osd.get("param_slice_mappings")
             if isinstance(recorded, list) and i < len(recorded) and isinstance(recorded[i], dict):
                 rec = {str(k): _address(v, ranks[r].path) for k, v in recorded[i].items()}
-                bad = layout.check_slice_mappings(names, frags, r, rec)
+                bad = partitions.check_slice_mappings(names, frags, r, rec)
                 if bad:
                     raise LayoutError(f"{ranks[r].path}: the offsets this file records (param_slice_mappings) "
                                       f"disagree with its place as data-parallel rank {r} for {bad[:3]}; the "

@@ -6,7 +6,7 @@ from collections import OrderedDict
 from ...errors import LayoutError
 from ...formats.torch_files import TensorRef
 from ...plan import Piece, TensorPlan
-from . import partitions as layout
+from . import partitions
 from .allowlist import load
 from .fields import numel, recorded_shape, tensor_pieces
 
@@ -33,7 +33,7 @@ def plan_zero3(ranks, param_groups, model_path, tensors):
                           "files from different saves are mixed")
     names = list(merged)
     try:
-        frags = layout.zero3_fragments([numel(merged[n]) for n in names], dp, lengths.pop())
+        frags = partitions.zero3_fragments([numel(merged[n]) for n in names], dp, lengths.pop())
     except ValueError as e:
         raise LayoutError(f"{ranks[0].path}: {e}; the model-states and optimizer files come from different "
                           "saves or are corrupt") from None
@@ -78,7 +78,7 @@ def plan_zero3_frozen(model_files, dp, tensors):
     for name, shape in shapes.items():
         shape = recorded_shape(shape, model_files[0], name)
         n = numel(shape)
-        chunk = layout.ceil_div(n, dp)
+        chunk = partitions.ceil_div(n, dp)
         pieces = []
         for r in range(dp):
             count = min(chunk, n - r * chunk)
