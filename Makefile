@@ -3,11 +3,13 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test test-main test-cai docs bench fuzz clean
+.PHONY: help setup demo test test-fast test-main test-cai docs bench fuzz mutants clean
 
 help:
 	@echo "make demo   - train a tiny Llama under DeepSpeed ZeRO-3, export, verify, reload"
 	@echo "make test   - the whole test suite (both environments)"
+	@echo "make test-fast - every test that needs no engine run (a few minutes; an engine launch fails it)"
+	@echo "make mutants - break each guard in turn (tests/mutants.toml) in a scratch copy; the fast suite must fail"
 	@echo "make setup  - build .venv and .venv-cai (idempotent)"
 	@echo "make docs   - build the documentation site (mkdocs --strict) into site/"
 	@echo "make bench  - benchmark hf-ckpt export against zero_to_fp32.py, and save-time hooks against"
@@ -24,6 +26,11 @@ demo: setup
 	.venv/bin/python demo/run_demo.py
 
 test: setup test-main test-cai docs
+
+# No engine run: tests that get one through the engine_ckpt fixture are marked `engine` by
+# tests/conftest.py, and HFCKPT_NO_ENGINE makes any launch that slips through fail loudly.
+test-fast: setup
+	HFCKPT_NO_ENGINE=1 .venv/bin/python -m pytest tests -m "not engine" -q -ra --durations=10 $(PYTEST_ARGS)
 
 test-main:
 	.venv/bin/python -m pytest tests -ra --durations=15 $(PYTEST_ARGS)
@@ -43,7 +50,10 @@ bench: setup
 	.venv/bin/python benchmarks/dcp_bench.py
 
 fuzz: setup
-	HFCKPT_FUZZ_EXAMPLES=$${HFCKPT_FUZZ_EXAMPLES:-5000} .venv/bin/python -m pytest tests/test_reliability.py -k fuzz -q
+	HFCKPT_FUZZ_EXAMPLES=$${HFCKPT_FUZZ_EXAMPLES:-5000} .venv/bin/python -m pytest tests/test_fuzz.py $(wildcard tests/test_fuzz_*.py) -q
+
+mutants: setup
+	.venv/bin/python scripts/mutants.py $(MUTANTS_ARGS)
 
 clean:
 	rm -rf .venv .venv-cai .test-cache site

@@ -21,7 +21,12 @@ def inspect_checkpoint(src, *, tag: Optional[str] = None, config: Optional[str] 
     Reads metadata only. Raises :class:`~hf_ckpt_integrations.errors.CheckpointError` for a
     checkpoint that cannot be exported.
     """
-    return sources.build_plan(src, tag=tag, config=config, tp_rules=tp_rules).summary()
+    from .sources.fp32_modules import keep_fp32_of_config
+
+    plan = sources.build_plan(src, tag=tag, config=config, tp_rules=tp_rules)
+    if plan.adapter is None:  # which tensors a bf16/fp16 export keeps in fp32, and why
+        plan.keep_fp32 = keep_fp32_of_config(plan.config_dir)
+    return plan.summary()
 
 
 def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[str] = None,
@@ -31,7 +36,10 @@ def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[st
     """Export ``src`` (any source the registry reads: DeepSpeed save dir, tag dir, Trainer
     ``checkpoint-N``, universal checkpoint, HF directory) to an HF directory ``dst``.
 
-    ``dtype``: ``"fp32"`` (default when the checkpoint has fp32 masters), ``"bf16"`` or ``"fp16"``.
+    ``dtype``: ``"fp32"`` (default when the checkpoint has fp32 masters), ``"bf16"`` or ``"fp16"``;
+    the modules the model class keeps in fp32 stay fp32, as ``from_pretrained(dtype=...)`` keeps them
+    (docs/dtypes.md). ``max_shard_size``: None (default) is the installed transformers'
+    ``save_pretrained`` default, read from its signature (50GB on transformers 5, 5GB on 4.x).
     ``tp_rules``: ``["PATTERN=0|1|replicated", ...]`` for model-parallel parameters nothing else
     describes. ``workers``: shards written at once from a thread pool. Under ``torchrun`` (``WORLD_SIZE``
     > 1) every rank calls it and the ranks split the shards. Options are checked before the
@@ -71,7 +79,8 @@ def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[st
 
 def verify_checkpoint(dst, against, *, tag: Optional[str] = None, config: Optional[str] = None,
                       tp_rules=None) -> VerifyReport:
-    """Compare every tensor of the HF directory ``dst`` with the source ``against``, bitwise."""
-    plan = sources.build_plan(against, tag=tag, config=config, tp_rules=tp_rules)
+    """Compare every tensor of the HF directory ``dst`` with the source ``against``, bitwise. The plan
+    is derived afresh (no Hub-layout cache): verify never takes an answer from what export used."""
+    plan = sources.build_plan(against, tag=tag, config=config, tp_rules=tp_rules, layout_cache=False)
     with bad_metadata_as_input(dst):  # a hand-edited index or header of dst is bad input, not a bug
         return verify_plan(plan, dst)

@@ -13,7 +13,7 @@ from typing import Iterator, NamedTuple
 from .errors import LayoutError
 from .formats.dtypes import FLOATS as FLOAT_DTYPES, SIZES as DTYPE_SIZES, to_torch as _torch_dtype
 from .mapped_files import MappedFiles
-from .plan import TensorPlan
+from .plan import Piece, TensorPlan
 
 __all__ = ["assemble_chunks", "iter_bytes", "to_torch", "check_replicas", "check_module_copy",
            "FileRange", "FLOAT_DTYPES"]
@@ -95,7 +95,16 @@ def _read_all(pieces, files: MappedFiles) -> bytes:
 
 
 def check_replicas(t: TensorPlan, files: MappedFiles) -> None:
-    """Raise :class:`LayoutError` naming the file whose copy of ``t`` differs from the first copy."""
+    """Raise :class:`LayoutError` naming the file whose copy of ``t`` differs from the first copy
+    (``replicas``), or the tied copy (``tied_copies``) that differs from ``t``."""
+    for name, chunks in t.tied_copies:
+        if not _tied_copy_equal(t, chunks, files):
+            where = next((p.path for c in chunks for p in c.pieces if isinstance(p, Piece)), t.name)
+            raise LayoutError(
+                f"{where}: {name} differs from {t.name}, which config.json ties it to (tie_word_embeddings): "
+                f"save_pretrained writes {t.name} alone and from_pretrained loads it into both, so {name} would be "
+                "lost. Export is refused: if the model was trained with untied weights, pass --config a directory "
+                "whose config.json says tie_word_embeddings: false")
     if not t.replicas:
         return
     primary = _read_all(t.parts[0], files)
@@ -105,6 +114,22 @@ def check_replicas(t: TensorPlan, files: MappedFiles) -> None:
                 f"{replica[0].path}: its copy of {t.name} differs from the copy in {t.parts[0][0].path}; "
                 "the model-parallel ranks were meant to be replicas. Export is refused: check which rank "
                 "diverged (use --tag for an earlier save), or treat the axis as tensor parallel with --tp-rule")
+
+
+def _tied_copy_equal(t: TensorPlan, chunks, files: MappedFiles) -> bool:
+    """``chunks`` (tiling ``t.shape``) hold exactly ``t``'s bytes: chunk by chunk where both are tiled
+    by the same boxes and ``t`` is stored whole, else both assembled and compared."""
+    own = t.placement() if t.keep_rows is None and t.elem_range is None else None
+    boxes = {(tuple(c.offsets), tuple(c.sizes)): c for c in own or ()}
+    if own is not None and len(boxes) == len(own) == len(chunks) and all(
+            (tuple(c.offsets), tuple(c.sizes)) in boxes for c in chunks):
+        return all(_read_all(c.pieces, files) == _read_all(boxes[(tuple(c.offsets), tuple(c.sizes))].pieces, files)
+                   for c in chunks)
+    copy = TensorPlan.from_chunks(t.name, tuple(t.shape), t.src_dtype, chunks)
+    a, b = to_torch(t, files).contiguous(), to_torch(copy, files).contiguous()
+    import torch
+
+    return a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
 
 
 def check_module_copy(t: TensorPlan, files: MappedFiles) -> bool:

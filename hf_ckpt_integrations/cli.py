@@ -87,6 +87,8 @@ def inspect_command(args) -> int:
     print("dtypes      " + ", ".join(f"{k}={v}" for k, v in info["dtypes"].items()))
     print(f"tensors     {info['tensor_count']} ({', '.join(f'{v} {k}' for k, v in info['tensors_by_kind'].items())}), "
           f"{info['parameters']:,} parameters, {info['bytes_fp32']:,} bytes in fp32")
+    for line in _kept_fp32_lines(info.get("keep_fp32")):
+        print(f"fp32 kept   {line}")
     if info["aliases"]:
         print("tied        " + ", ".join(f"{a} -> {t}" for a, t in info["aliases"].items()))
     adapter = info.get("adapter")
@@ -102,6 +104,19 @@ def inspect_command(args) -> int:
     for note in info["notes"]:
         print(f"note        {note}")
     return EXIT_OK
+
+
+def _kept_fp32_lines(keep):
+    """The tensors a 16-bit export keeps in fp32, grouped by reason and source (layers read as ``*``)."""
+    import re
+
+    if not keep or not keep["tensors"]:
+        return []
+    groups = {}
+    for t in keep["tensors"]:
+        key = (re.sub(r"\.\d+\.", ".*.", t["name"]), "/".join(t["when"]), t["why"], t["from"])
+        groups[key] = groups.get(key, 0) + 1
+    return [f"{name} ({n}) in {when}: {why}; from {src}" for (name, when, why, src), n in groups.items()]
 
 
 def _conversion_lines(conversions):
@@ -125,7 +140,9 @@ def export_command_parser(subparsers=None):
     p.add_argument("--tag", help="tag to read (default: the one named by 'latest')")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
                    help="output dtype of floating tensors (default: fp32 masters when the checkpoint has them)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB or 500MB (default 5GB)")
+    p.add_argument("--max-shard-size", default=None,
+                   help="largest shard, e.g. 5GB or 500MB (default: the installed transformers' save_pretrained "
+                        "default, read from its signature: 50GB on transformers 5, 5GB on 4.x)")
     p.add_argument("--config", help="directory holding config.json/tokenizer files to copy "
                    "(default: next to the checkpoint)")
     _tp_rule_arg(p)

@@ -8,12 +8,11 @@ Runs the one writer (:func:`~.orchestrator.write`) with one rank and the
 
 from typing import List, Optional
 
-from .commit import SiblingSwap
 from .mapped_files import MappedFiles
 from .orchestrator import write
 from .plan import ExportPlan
 from .writer import (MAX_SHARD_SIZE, check_max_shard_size, check_workers, copy_adapter_config, copy_config_files,
-                     plan_inputs, plan_tensors)
+                     export_strategy, plan_tensors)
 
 __all__ = ["write_plan", "export_finisher"]
 
@@ -33,7 +32,7 @@ def write_plan(plan: ExportPlan, dst, *, dtype: Optional[str] = None, max_shard_
     """
     max_shard_size = check_max_shard_size(max_shard_size)
     check_workers(workers)
-    strategy = SiblingSwap(dst, overwrite=overwrite, inputs=plan_inputs(plan), configs=[plan.config_dir])
+    strategy = export_strategy(dst, plan, overwrite=overwrite)
     with MappedFiles() as files:
         tensors = plan_tensors(plan, dtype, files, ranges=True)
         report = write(tensors, strategy, max_shard_size=max_shard_size, finish=export_finisher(plan),

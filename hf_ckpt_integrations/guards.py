@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 from .errors import CheckpointError, DestinationError, LayoutError, OptionError, one_line
 
 __all__ = ["read_small_text", "read_latest", "check_tag_name", "config_problem", "read_config", "copyable_problem",
-           "check_destination", "bad_metadata_as_input", "refuse_unreadable_layouts", "LATEST_LIMIT", "CONFIG_LIMIT"]
+           "check_destination", "is_or_holds", "bad_metadata_as_input", "refuse_unreadable_layouts", "LATEST_LIMIT", "CONFIG_LIMIT"]
 
 LATEST_LIMIT = 4096  # DeepSpeed writes the tag name alone ("global_step1000")
 CONFIG_LIMIT = 16 * 2**20  # config.json; a real one is a few KB
@@ -80,6 +80,11 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
+def is_or_holds(path, other) -> bool:
+    """Whether ``path`` (after resolving links) is ``other`` or a directory holding it."""
+    return _inside(os.path.realpath(os.fspath(other)), os.path.realpath(os.fspath(path)))
+
+
 def copyable_problem(path, root) -> Optional[str]:
     """Why ``path`` must not be read or copied as a file of the directory ``root`` (None when it may):
     it must resolve to a regular file inside ``root`` (a link inside the tree is fine; one that
@@ -130,7 +135,8 @@ def read_config(config_dir) -> dict:
 def check_destination(dst, *, inputs: Iterable[str] = (), configs: Iterable[str] = ()) -> str:
     """The real path to export into, after refusing destinations that would lose data.
 
-    ``inputs`` are the directories read (the source, the directories of its files): the
+    ``inputs`` are the directories read (the source, the directories of its files; an item may be
+    ``(path, role)``, the role naming it in the refusal, e.g. "the adapter config directory"): the
     destination must not be one of them, hold one (an ancestor: replacing it deletes the
     source) or lie inside one (writing there changes the source tree). ``configs`` (the config
     directory) must not be the destination or inside it. An empty destination (an unset shell
@@ -145,17 +151,18 @@ def check_destination(dst, *, inputs: Iterable[str] = (), configs: Iterable[str]
     if real == os.path.dirname(real):
         raise DestinationError(f"{raw}: is the root of the file system; pass a new directory to write")
     for src in inputs:
+        src, role = src if isinstance(src, tuple) else (src, "the source")
         if not src:
             continue
         r = os.path.realpath(src)
         if _inside(r, real):
-            what = "is the source" if r == real else "contains the source"
+            what = f"is {role}" if r == real else f"contains {role}"
             via = f" (it resolves to {real})" if real != os.path.abspath(raw) else ""
-            raise DestinationError(f"{raw}: {what} {src}{via}; replacing it would delete the checkpoint: choose "
-                                   "a directory outside it")
+            raise DestinationError(f"{raw}: {what} {src}{via}; replacing it would delete what the export reads: "
+                                   "choose a directory outside it")
         if _inside(real, r):
-            raise DestinationError(f"{raw}: lies inside the source {src}; writing there would change the "
-                                   "checkpoint: choose a directory outside it")
+            raise DestinationError(f"{raw}: lies inside {role} {src}; writing there would change what the export "
+                                   "reads: choose a directory outside it")
     for cfg in configs:
         if cfg and _inside(os.path.realpath(cfg), real):
             raise DestinationError(f"{raw}: is or contains the config directory {cfg}; replacing it would "

@@ -40,6 +40,7 @@ from .formats import names
 from .formats.dtypes import SIZES
 from .formats.names import (ADAPTER_SAFETENSORS_NAME, BIN_INDEX as BIN_INDEX_NAME, BIN_PATTERN, SAFETENSORS_INDEX,
                             SAFETENSORS_PATTERN)
+from .outfiles import open_new
 from .plan import TensorPlan
 from .writer import MAX_SHARD_SIZE, OutTensor, progress_bar, shard_order, write_shard
 
@@ -257,6 +258,9 @@ def _write_staged(tensors, strategy, comm, assignment, staging, fmt, collective,
             dst = strategy.dst
             outcome = {**extra, "destination": dst, "files": staged,
                        "bytes_on_disk": sum(os.path.getsize(os.path.join(dst, n)) for n in staged)}
+            left = list(getattr(strategy, "warnings", ()))  # entries named like ours it left alone
+            if left:
+                outcome["warnings"] = left + list(extra.get("warnings", ()))
         except Exception as e:
             if world == 1:
                 raise  # write() aborts and reports it
@@ -401,7 +405,7 @@ def write_bin_shard(path, tensors: Sequence[OutTensor], progress=None) -> int:
             raise CheckpointError(f"{t.name}: produced {pos} bytes, expected {t.nbytes}; please report this")
         shard[t.name] = (torch.frombuffer(buf, dtype=to_torch(t.dtype)) if t.nbytes else
                          torch.empty(0, dtype=to_torch(t.dtype))).view(t.shape)
-    with open(path, "wb") as fh:
+    with open_new(path) as fh:
         torch.save(shard, fh)
         fh.flush()
         os.fsync(fh.fileno())

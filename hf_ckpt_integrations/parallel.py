@@ -23,12 +23,11 @@ only a few small objects travel; the data never leaves the file system).
 import os
 from typing import Optional
 
-from .commit import SiblingSwap
 from .export import export_finisher
 from .mapped_files import MappedFiles
 from .orchestrator import TorchComm, WriteError, write
 from .plan import ExportPlan
-from .writer import MAX_SHARD_SIZE, check_max_shard_size, plan_inputs, plan_tensors
+from .writer import MAX_SHARD_SIZE, check_max_shard_size, export_strategy, plan_tensors
 
 __all__ = ["ParallelExportError", "write_plan_parallel", "world_from_env"]
 
@@ -69,7 +68,7 @@ def write_plan_parallel(plan: Optional[ExportPlan], dst, *, dtype: Optional[str]
     try:
         comm = TorchComm(dist, group)
         plan = comm.broadcast(plan if comm.rank == 0 else None)
-        strategy = SiblingSwap(dst, overwrite=overwrite, inputs=plan_inputs(plan), configs=[plan.config_dir])
+        strategy = export_strategy(dst, plan, overwrite=overwrite)
         with MappedFiles() as files:
             tensors = plan_tensors(plan, dtype, files, ranges=True)
             report = write(tensors, strategy, comm=comm, max_shard_size=max_shard_size, finish=export_finisher(plan),

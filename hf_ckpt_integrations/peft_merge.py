@@ -1,7 +1,7 @@
 """``--merge-adapters``: a LoRA adapter merged into its base model, written in the base's Hub layout.
 
 For every base weight a LoRA module targets, ``W' = W + scale * (B @ A)`` (transposed for
-``fan_in_fan_out`` layers and for embeddings, as peft's ``get_delta_weight`` does), computed in
+``Conv1D`` layers and for embeddings, as peft's layers decide per layer), computed in
 fp32 one tensor at a time when the writer asks for it, then cast to the output dtype (the base's
 dtype unless ``dtype`` says otherwise). ``scale`` is ``lora_alpha / r`` (``/ sqrt(r)`` with
 ``use_rslora``), per module from ``rank_pattern``/``alpha_pattern``. A ``modules_to_save`` copy
@@ -25,23 +25,27 @@ _TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat1
 _LORA = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.weight)?$")
 
 
-def _pattern_value(patterns: dict, module: str, default):
-    """peft's ``get_pattern_key``: an exact module name, else the first pattern matching its end."""
-    if module in patterns:
-        return patterns[module]
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
+def _scale(cfg: dict, module: str, path) -> Tuple[int, float, str]:
+    """``(r, scale, field)`` of LoRA module ``module`` as peft's ``LoraModel._create_and_replace``
+    derives them: ``rank_pattern``/``alpha_pattern`` through ``get_pattern_key`` (the first key,
+    in order, matching the end of the name), else ``r``/``lora_alpha``; ``field`` names where alpha came from."""
+    from .sources.peft import check_lora_config, pattern_key
+
+    check_lora_config({**cfg, "peft_type": "LORA"}, path)
+    rank_patterns, alpha_patterns = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    r_key = pattern_key(list(rank_patterns), module, path, "rank_pattern")
+    a_key = pattern_key(list(alpha_patterns), module, path, "alpha_pattern")
+    r = rank_patterns[r_key] if r_key is not None else cfg["r"]
+    alpha = alpha_patterns[a_key] if a_key is not None else cfg["lora_alpha"]
+    field = f"alpha_pattern[{a_key!r}]" if a_key is not None else "lora_alpha"
+    return r, (alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r), field
 
 
-def lora_scale(cfg: dict, module: str) -> Tuple[int, float]:
-    """``(r, scale)`` of LoRA module ``module`` (its name in the base model) under adapter config ``cfg``."""
-    r = _pattern_value(cfg.get("rank_pattern") or {}, module, cfg.get("r"))
-    alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha"))
-    if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
-        raise LayoutError(f"adapter_config.json: r={r!r}, lora_alpha={alpha!r} for {module}; not a LoRA config")
-    return r, (alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r)
+def lora_scale(cfg: dict, module: str, path="adapter_config.json") -> Tuple[int, float]:
+    """``(r, scale)`` of LoRA module ``module`` (its name in the base model) under adapter config ``cfg``
+    (CheckpointError naming ``path`` and the field for a value peft could not use)."""
+    r, scale, _ = _scale(cfg, module, path)
+    return r, scale
 
 
 def _refuse_unmergeable(cfg: dict, path: str) -> None:
@@ -96,6 +100,96 @@ def _group(adapter_plan, cfg_path) -> Tuple[Dict[str, dict], Dict[str, object]]:
     return lora, replaced
 
 
+def _layer_kinds(base_plan, base_dir, modules) -> Dict[str, Optional[str]]:
+    """``{module: "linear" | "conv1d" | "embedding" | <other class name> | None}``: the class of each
+    LoRA module in the base model, from config.json's model built on the meta device (bounded by the
+    base's tensors, as the Hub-layout pass bounds its build); None where no model can be built from
+    config.json or it has no such module."""
+    from .errors import CheckpointError
+    from .sources.config_fit import bounded_build
+    from .sources.hub_layout import meta_model
+
+    kinds: Dict[str, Optional[str]] = dict.fromkeys(modules)
+    if base_plan.config_dir is None:
+        return kinds
+    with bounded_build(base_plan.config_dir, {t.name: tuple(t.shape) for t in base_plan.tensors}):
+        try:
+            model = meta_model(base_plan.config_dir)
+        except CheckpointError:  # transformers cannot build it: the shapes decide (see _plan_merges)
+            model = None
+    if model is None:
+        return kinds
+    import torch
+
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        Conv1D = ()
+    for module in modules:
+        try:
+            layer = model.get_submodule(module)
+        except AttributeError:
+            continue
+        kinds[module] = ("embedding" if isinstance(layer, torch.nn.Embedding) else
+                         "linear" if isinstance(layer, torch.nn.Linear) else
+                         "conv1d" if Conv1D and isinstance(layer, Conv1D) else type(layer).__name__)
+    return kinds
+
+
+def _plan_merges(cfg, cfg_path, targets, base_by_name, base_plan, base_dir) -> Dict[str, tuple]:
+    """``{module: (r, scale, alpha field, transpose)}`` for every LoRA module, checked before anything
+    is written: selected by ``target_modules`` as peft selects modules, A [r, in] and B [out, r] for
+    the rank peft would give it, and the update oriented as peft's layer for that module orients it.
+
+    peft decides ``fan_in_fan_out`` per layer, whatever the config says (``dispatch_default`` in
+    ``peft/tuners/lora/layer.py``): off for ``nn.Linear`` (warned and forced), on for transformers'
+    ``Conv1D`` (GPT-2's ``[in, out]`` weights), and an ``Embedding``'s update is always transposed.
+    The layer's class comes from the base's config.json built on the meta device; where that model
+    cannot be built, the base weight's shape decides, and a square weight (either orientation fits)
+    is refused."""
+    from .sources.peft import is_targeted
+
+    kinds = _layer_kinds(base_plan, base_dir, [module for module, _ in targets.values()])
+    merges = {}
+    for weight, (module, parts) in targets.items():
+        if not is_targeted(cfg, module, cfg_path):
+            raise LayoutError(f"{cfg_path}: target_modules does not select {module} (given exclude_modules, "
+                              "modules_to_save, layers_to_transform), but the adapter holds LoRA weights for it: "
+                              "peft would not apply them; fix target_modules or export the adapter without "
+                              "--merge-adapters")
+        r, scale, field = _scale(cfg, module, cfg_path)
+        emb = "lora_embedding_A" in parts
+        a, b = (parts["lora_embedding_A"], parts["lora_embedding_B"]) if emb else (parts["lora_A"], parts["lora_B"])
+        w = tuple(base_by_name[weight].shape)
+        a_shape, b_shape = tuple(a.shape), tuple(b.shape)
+        if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != r or b_shape[1] != r:
+            raise LayoutError(f"{module}: LoRA A {list(a_shape)} / B {list(b_shape)} do not fit r={r} of {cfg_path} "
+                              "(rank_pattern / r); only Linear, Conv1D and Embedding LoRA layers merge")
+        kind = kinds.get(module)
+        if kind is None:
+            kind = "embedding" if emb else None
+        if kind not in (None, "linear", "conv1d", "embedding") or (kind == "embedding") != emb:
+            raise OptionError(f"{cfg_path}: {module} is a {kind} layer with {'embedding ' if emb else ''}LoRA "
+                              "weights; --merge-adapters merges LoRA on Linear, Conv1D and Embedding layers only: "
+                              "export the adapter directory (without --merge-adapters) and merge it with peft")
+        update = (b_shape[0], a_shape[1])
+        if kind is None:  # no model class to ask: only a non-square weight says which way round it is
+            if update == w and update[::-1] != w:
+                kind = "linear"
+            elif update[::-1] == w and update != w:
+                kind = "conv1d"
+            elif update == w:
+                raise LayoutError(f"{base_dir}/config.json: no model transformers can build, so whether {module} "
+                                  "is an nn.Linear or a Conv1D (which peft merges transposed) is unknown for its "
+                                  "square weight; pass --base a directory whose config.json transformers loads")
+        transpose = kind in ("conv1d", "embedding")
+        if (update[::-1] if transpose else update) != w:
+            raise LayoutError(f"{module}: LoRA update {list(update[::-1] if transpose else update)} does not fit "
+                              f"the base weight {list(w)}; pass --base the model the adapter was trained on")
+        merges[module] = (r, scale, field, transpose)
+    return merges
+
+
 def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Optional[str] = None,
                  max_shard_size="5GB", overwrite: bool = False, quiet: bool = True) -> dict:
     """Write the LoRA adapter of ``adapter_plan`` merged into its base model at ``dst``.
@@ -107,7 +201,7 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
     from .assemble import to_torch
     from .mapped_files import MappedFiles
     from .sources import build_plan
-    from .sources.peft import read_adapter_config
+    from .sources.peft import check_lora_config, pattern_budget, read_adapter_config
     from .commit import SiblingSwap
     from .orchestrator import write
     from .writer import OutTensor, check_max_shard_size, copy_config_files, plan_inputs, plan_tensors
@@ -120,6 +214,7 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
     cfg_path = adapter_plan.adapter["config"]
     cfg = read_adapter_config(cfg_path)
     _refuse_unmergeable(cfg, cfg_path)
+    check_lora_config(cfg, cfg_path)
     base_dir = resolve_base(adapter_plan.adapter, base)
     base_plan = build_plan(base_dir)
     if base_plan.adapter is not None:
@@ -137,7 +232,8 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
         if name not in base_by_name:
             raise LayoutError(f"{base_dir}: has no tensor {name} for the modules_to_save copy of {cfg_path}; pass "
                               "--base the model the adapter was trained on")
-    fan_in_fan_out = bool(cfg.get("fan_in_fan_out"))
+    with pattern_budget():  # every pattern match of this merge, together
+        merges = _plan_merges(cfg, cfg_path, targets, base_by_name, base_plan, base_dir)
     skipped: List[str] = []
     with MappedFiles() as files:
         out = plan_tensors(base_plan, dtype, files, ranges=True)
@@ -146,26 +242,27 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
         def merged_chunks(wt, module, parts, out_dtype):
             import torch
 
-            r, scale = lora_scale(cfg, module)
+            r, scale, field, transpose = merges[module]
             emb = "lora_embedding_A" in parts
             a_plan, b_plan = (parts["lora_embedding_A"], parts["lora_embedding_B"]) if emb else \
                 (parts["lora_A"], parts["lora_B"])
             a = to_torch(a_plan, files).reshape(a_plan.shape).to(torch.float32)
             b = to_torch(b_plan, files).reshape(b_plan.shape).to(torch.float32)
-            if a.dim() != 2 or b.dim() != 2 or a.shape[0] != r or b.shape[1] != r:
-                raise LayoutError(f"{module}: LoRA A {list(a.shape)} / B {list(b.shape)} do not fit r={r} of "
-                                  f"{cfg_path}; only Linear and Embedding LoRA layers merge")
             w = to_torch(wt, files).reshape(wt.shape).to(torch.float32, copy=True)
+            was_finite = torch.isfinite(w)
             delta = b @ a
-            if emb or fan_in_fan_out:
+            if transpose:
                 delta = delta.T
-            delta = delta * scale
-            if tuple(delta.shape) != tuple(w.shape):
-                raise LayoutError(f"{module}: LoRA update {list(delta.shape)} does not fit the base weight "
-                                  f"{list(w.shape)}; pass --base the model the adapter was trained on")
-            w += delta
+            w += delta * scale
             del a, b, delta
-            yield memoryview(w.to(getattr(torch, _TORCH[out_dtype])).contiguous().view(torch.uint8).reshape(-1).numpy())
+            merged = w.to(getattr(torch, _TORCH[out_dtype]))
+            if not bool((torch.isfinite(merged) | ~was_finite).all()):
+                raise LayoutError(f"{cfg_path}: merging {module} with {field} (scale {scale:.6g}, r={r}) gives "
+                                  f"non-finite values in {wt.name} as {out_dtype}: the adapter's scale or weights "
+                                  "are out of range; fix adapter_config.json or the adapter (peft would produce "
+                                  "the same inf/nan)")
+            del was_finite, w
+            yield memoryview(merged.contiguous().view(torch.uint8).reshape(-1).numpy())
 
         for name, (module, parts) in targets.items():
             wt = base_by_name[name]

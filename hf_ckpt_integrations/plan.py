@@ -88,8 +88,9 @@ def check_tiling(shape: Sequence[int], chunks: Sequence[Chunk]) -> None:
     ``shape``: each in bounds with as many dims as ``shape``, its pieces holding exactly its
     elements, no two overlapping, and together covering every element (no gap).
 
-    Pure arithmetic on the metadata: a sweep along dim 0, so N chunks cost about N log N plus the
-    pairs that share rows."""
+    Pure arithmetic on the metadata, linear in the number of chunks (``2**D`` corners each, for the
+    ``D`` dims along which some chunk is split): see :func:`_corner_balance` for why the test is
+    exact. Only a refusal searches for the pair to name (bounded)."""
     shape = tuple(shape)
     total = 0
     boxes = []
@@ -105,21 +106,84 @@ def check_tiling(shape: Sequence[int], chunks: Sequence[Chunk]) -> None:
             raise ValueError(f"chunk {i}: its pieces hold {held} elements, its sizes {list(c.sizes)} need "
                              f"{c.numel}")
         if c.numel:
-            boxes.append((c.offsets, tuple(o + s for o, s in zip(c.offsets, c.sizes)), i))
+            boxes.append((tuple(c.offsets), tuple(o + s for o, s in zip(c.offsets, c.sizes)), i))
             total += c.numel
     if not shape:  # a scalar: one chunk of one element
         boxes = [((), (), i) for i, c in enumerate(chunks) if c.pieces and c.numel]
         total = len(boxes)
-    boxes.sort()
-    for k, (lo, hi, i) in enumerate(boxes):
-        for lo2, hi2, j in boxes[k + 1:]:
-            if shape and lo2[0] >= hi[0]:
+    need = math.prod(shape)
+    if total == need and _corner_balance(shape, boxes):
+        return
+    i, j = _overlapping_pair(shape, boxes)
+    if i is not None:
+        raise ValueError(f"chunks {min(i, j)} and {max(i, j)} overlap")
+    if total >= need:
+        # Not a tiling although in bounds and as many elements as the shape: some element is held
+        # twice (disjoint in-bounds chunks hold at most the shape's elements, exactly only when they
+        # tile), but the bounded search did not reach the pair.
+        raise ValueError(f"chunks overlap: they hold {total} elements for the {need} of shape {list(shape)}")
+    raise ValueError(f"the chunks cover {total} of the {need} elements of shape {list(shape)} (a gap)")
+
+
+_MAX_SPLIT_DIMS = 16  # 2**16 corners per chunk; a real layout splits a tensor along a few dims
+_PAIR_BUDGET = 200_000  # pairs compared while looking for two overlapping chunks to name
+
+
+def _corner_balance(shape, boxes) -> bool:
+    """Whether the in-bounds ``boxes`` (``(lo, hi, index)``) cover every element of ``shape`` exactly once.
+
+    Why this is exact: give each box ``[lo, hi)`` the signed measure ``m`` putting ``(-1)**k`` on
+    each of its ``2**D`` corners, ``k`` = the number of coordinates taken from ``hi``. Summing ``m``
+    over the corners ``<= x`` (coordinate-wise) gives ``prod_d ([lo_d <= x_d] - [hi_d <= x_d])``,
+    which is 1 when ``x`` lies in the box and 0 elsewhere: the box's indicator is the prefix sum of
+    its measure. Prefix sums are linear and one-to-one (differences undo them), so the number of
+    boxes holding each element equals 1 on the shape and 0 outside exactly when the boxes' measures
+    add up to the shape's own. Dims that no box splits carry the same factor in every measure and
+    are left out. One dict entry per distinct corner: O(N * 2**D) for N boxes.
+    """
+    dims = [d for d in range(len(shape)) if any(lo[d] != 0 or hi[d] != shape[d] for lo, hi, _ in boxes)]
+    if len(dims) > _MAX_SPLIT_DIMS:
+        raise ValueError(f"the chunks split a tensor of shape {list(shape)} along {len(dims)} dims; at most "
+                         f"{_MAX_SPLIT_DIMS} are read")
+    balance: Dict[Tuple[int, ...], int] = {}
+    full = ((0,) * len(shape), tuple(shape), None)
+    for lo, hi, i in [*boxes, full]:
+        sign = 1 if i is not None else -1  # the boxes' measures minus the shape's
+        corners = [((), sign)]
+        for d in dims:
+            corners = [(c + (lo[d],), s) for c, s in corners] + [(c + (hi[d],), -s) for c, s in corners]
+        for c, s in corners:
+            left = balance.get(c, 0) + s
+            if left:
+                balance[c] = left
+            else:
+                del balance[c]
+    return not balance
+
+
+def _overlapping_pair(shape, boxes):
+    """Two chunk indices whose boxes share an element, for the refusal message: the same box twice,
+    else a sweep along dim 0 comparing at most :data:`_PAIR_BUDGET` pairs. ``(None, None)`` when
+    that finds none (the refusal stands; it just cannot name the pair)."""
+    seen: Dict = {}
+    for lo, hi, i in boxes:
+        j = seen.setdefault((lo, hi), i)
+        if j != i:
+            return j, i
+    if not shape:
+        return (boxes[0][2], boxes[1][2]) if len(boxes) > 1 else (None, None)
+    ordered = sorted(boxes)
+    budget = _PAIR_BUDGET
+    for k, (lo, hi, i) in enumerate(ordered):
+        for lo2, hi2, j in ordered[k + 1:]:
+            if lo2[0] >= hi[0]:
                 break  # sorted by the first offset: no later box reaches back into this one's rows
             if all(a < d and c < b for a, b, c, d in zip(lo, hi, lo2, hi2)):
-                raise ValueError(f"chunks {min(i, j)} and {max(i, j)} overlap")
-    if total != math.prod(shape):
-        raise ValueError(f"the chunks cover {total} of the {math.prod(shape)} elements of shape {list(shape)} "
-                         "(a gap)")
+                return i, j
+            budget -= 1
+            if not budget:
+                return None, None
+    return None, None
 
 
 def row_major_pieces(shape: Sequence[int], chunks: Sequence[Chunk]) -> Optional[List[Piece]]:
@@ -185,6 +249,9 @@ class TensorPlan:
     out_dtype: Optional[str] = None  # the dtype written (:func:`decide_dtypes`); None until decided
     # N-D placement given by the source (FSDP x TP...); None: derived from ``parts`` (:meth:`placement`).
     chunks: Optional[List[Chunk]] = None
+    # (name, chunks tiling ``shape``) of a tied copy held under another name (an FSDP ``lm_head.weight``
+    # beside the embedding): bitwise equal to this tensor whatever either's layout; checked, never written.
+    tied_copies: List[Tuple[str, List[Chunk]]] = field(default_factory=list)
 
     @classmethod
     def from_chunks(cls, name: str, shape: Tuple[int, ...], src_dtype: str, chunks: Sequence[Chunk],
@@ -280,9 +347,34 @@ class ExportPlan:
     # A PEFT adapter (sources/peft.py): what `inspect` shows of adapter_config.json; the export is
     # then the adapter directory PeftModel.save_pretrained writes.
     adapter: Optional[dict] = None
+    # The model class's fp32-kept modules (:class:`~.dtype_rule.KeepFp32`), read from the config
+    # when a 16-bit export or ``inspect`` needs them; None: nothing known to be kept.
+    keep_fp32: Optional[object] = None
 
     def tensor_bytes(self, out_dtype: Optional[str] = None) -> int:
         return sum(t.numel * SIZES[out_dtype or t.src_dtype] for t in self.tensors)
+
+    def kept_fp32(self) -> Optional[dict]:
+        """What ``inspect`` shows of the fp32-kept modules: the class and its lists, and per tensor
+        kept in a 16-bit export, when (``["bf16", "fp16"]`` or ``["fp16"]``), why (the list entry)
+        and from what (the fp32 masters, or an upcast of the 16-bit copy). None when not known."""
+        from .dtype_rule import kept_reason
+
+        keep = self.keep_fp32
+        if keep is None:
+            return None
+        tensors = []
+        for t in self.tensors:
+            name = t.hub_source or t.name
+            when = [u for u, d in (("bf16", "BF16"), ("fp16", "F16")) if kept_reason(name, d, keep)]
+            if when and t.src_dtype in FLOATS:
+                masters = t.src_dtype == "F32" or (t.module_check is not None and not t.replicas and
+                                                   all(p.dtype == "F32" for part in t.module_check[0] for p in part))
+                stored = "fp32 masters" if t.kind == "master" or t.src_dtype != "F32" else "fp32 as stored"
+                tensors.append({"name": t.name, "when": when, "why": kept_reason(name, "F16", keep),
+                                "from": stored if masters else f"upcast from {t.src_dtype}"})
+        return {"model_class": keep.model_class, "_keep_in_fp32_modules": list(keep.modules),
+                "_keep_in_fp32_modules_strict": list(keep.strict), "tensors": tensors}
 
     def summary(self) -> dict:
         """A JSON-able description (what ``inspect --json`` prints)."""
@@ -312,6 +404,7 @@ class ExportPlan:
             "padding_removed": {k: list(v) for k, v in self.padding_removed.items()},
             "conversions": self.conversions,
             "adapter": self.adapter,
+            "keep_fp32": self.kept_fp32(),
             "tensors": [
                 {"name": t.name, "shape": list(t.shape), "dtype": t.src_dtype, "out_dtype": t.out_dtype,
                  "kind": t.kind,
@@ -324,19 +417,48 @@ class ExportPlan:
         }
 
 
-def decide_dtypes(plan: ExportPlan, dtype: Optional[str] = None) -> ExportPlan:
-    """Decide, once, the dtype every tensor of ``plan`` is written in: floating tensors take
-    ``dtype`` (``"fp32"``/``"bf16"``/``"fp16"``), by default the fp32 masters' dtype when the
-    checkpoint has them (every other float follows), else each tensor's stored dtype; integer
-    tensors never change. Sets ``plan.out_dtype`` and each ``TensorPlan.out_dtype``; returns ``plan``.
+def decide_dtypes(plan: ExportPlan, dtype: Optional[str] = None, keep=None) -> ExportPlan:
+    """Decide, once, the dtype every tensor of ``plan`` is written in, by the one rule
+    (:func:`~.dtype_rule.output_dtype`): floating tensors take ``dtype`` (``"fp32"``/``"bf16"``/
+    ``"fp16"``), by default the fp32 masters' dtype when the checkpoint has them (every other float
+    follows), else each tensor's stored dtype; the model class's fp32-kept modules
+    (``keep``, default ``plan.keep_fp32``) stay fp32, matched on their in-memory names
+    (``hub_source``); integer tensors never change. A kept tensor comes from the fp32 masters where
+    the source had planned the 16-bit module copy (ZeRO-1/2), else it is upcast from what is stored
+    (a note says so). Sets ``plan.out_dtype`` and each ``TensorPlan.out_dtype``; returns ``plan``.
     Raises :class:`~.errors.OptionError` for an unknown ``dtype``."""
-    requested = dtype_from_name(dtype)
-    if requested is None and "F32" in plan.dtypes.values():
-        requested = "F32"  # default: the fp32 masters, and every other float in the same dtype
+    from .dtype_rule import output_dtype, request
+
+    if keep is not None:
+        plan.keep_fp32 = keep
+    requested = request(dtype, masters="F32" in plan.dtypes.values())
     plan.out_dtype = requested
+    upcast = []
     for t in plan.tensors:
-        t.out_dtype = requested if requested is not None and t.src_dtype in FLOATS else t.src_dtype
+        t.out_dtype = output_dtype(t.hub_source or t.name, t.src_dtype, requested, plan.keep_fp32)
+        if t.out_dtype == "F32" and requested != "F32" and t.src_dtype != "F32" and not _use_masters(t):
+            upcast.append(t.name)
+    plan.notes = [n for n in plan.notes if not n.startswith(_UPCAST_NOTE)]
+    if upcast:
+        more = f" and {len(upcast) - 5} more" if len(upcast) > 5 else ""
+        plan.notes.append(f"{_UPCAST_NOTE} from their 16-bit copy (the checkpoint holds no fp32 master of "
+                          f"them): {', '.join(upcast[:5])}{more}")
     return plan
+
+
+_UPCAST_NOTE = "kept in fp32 by the model class, upcast"
+
+
+def _use_masters(t: "TensorPlan") -> bool:
+    """Make a tensor the source planned from its 16-bit module copy (ZeRO-1/2 saves it whole) read
+    its fp32 masters instead (``module_check`` holds both, part by part); False when it has none."""
+    check = t.module_check
+    if t.kind != "module" or check is None or t.chunks is not None or t.replicas or len(check[0]) != len(t.parts) or \
+            any(p.dtype != "F32" for part in check[0] for p in part):
+        return False
+    t.parts = [list(part) for part in check[0]]
+    t.src_dtype, t.kind = "F32", "master"
+    return True
 
 
 def check_plan(plan: ExportPlan) -> None:

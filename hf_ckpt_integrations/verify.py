@@ -4,15 +4,19 @@ Both sides are re-read: the HF side through its safetensors headers (plain JSON)
 ranges, the source side through a fresh plan, cast to each file tensor's dtype.
 """
 
+import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .assemble import check_module_copy, iter_bytes
+from .errors import short_repr
 from .formats.dtypes import SIZES as DTYPE_SIZES
+from .formats.names import (ADAPTER_BIN_NAME, ADAPTER_SAFETENSORS_NAME, BIN_INDEX, BIN_NAME, CONFIG_NAME,
+                            SAFETENSORS_INDEX, SAFETENSORS_NAME)
 from .formats.safetensors import read_hf_dir  # re-exported: what verify reads the export with
 from .mapped_files import MappedFiles
 
-__all__ = ["VerifyReport", "read_hf_dir", "verify_plan"]
+__all__ = ["VerifyReport", "read_hf_dir", "loaded_weights", "verify_plan"]
 
 
 @dataclass
@@ -27,10 +31,58 @@ class VerifyReport:
         return not self.differences
 
 
+def loaded_weights(dst, *, adapter: bool = False) -> Tuple[Optional[str], List[str]]:
+    """``(name, problems)``: the weight file of the HF directory ``dst`` that ``from_pretrained(dst)``
+    loads (None: none there), following its precedence (transformers ``_get_resolved_checkpoint_files``:
+    config.json's ``transformers_weights``, then ``model.safetensors``, ``model.safetensors.index.json``,
+    ``pytorch_model.bin``, ``pytorch_model.bin.index.json``; a PEFT adapter directory:
+    ``adapter_model.safetensors``, then ``adapter_model.bin``), and why ``dst`` is not what
+    ``hf-ckpt export`` writes: several of those entry points at once (a stray ``model.safetensors``
+    beside a sharded export is what loads, whatever the index says), or a file hf-ckpt never writes."""
+    import json
+
+    order = (ADAPTER_SAFETENSORS_NAME, ADAPTER_BIN_NAME) if adapter else (SAFETENSORS_NAME, SAFETENSORS_INDEX,
+                                                                         BIN_NAME, BIN_INDEX)
+    present = [n for n in order if os.path.isfile(os.path.join(dst, n))]
+    chosen = present[0] if present else None
+    problems = []
+    if not adapter:
+        explicit = None
+        try:
+            with open(os.path.join(dst, CONFIG_NAME), "rb") as fh:
+                cfg = json.loads(fh.read(2**20))
+            explicit = cfg.get("transformers_weights") if isinstance(cfg, dict) else None
+        except (OSError, ValueError, RecursionError):
+            pass  # no readable config.json: from_pretrained reads none either, the default order holds
+        if explicit is not None:
+            ok = isinstance(explicit, str) and explicit.endswith((".safetensors", ".safetensors.index.json")) and \
+                os.path.basename(explicit) == explicit and explicit not in (".", "..")
+            if not ok or not os.path.isfile(os.path.join(dst, explicit)):
+                problems.append(f"{os.path.join(dst, CONFIG_NAME)}: transformers_weights = {short_repr(explicit)} "
+                                "names no safetensors file of this directory: from_pretrained fails to load it; "
+                                "remove the key (hf-ckpt export never writes it) or export again")
+                return None, problems
+            chosen = explicit
+    if len(present) > 1:
+        problems.append(f"{dst}: holds {' and '.join(present)}; from_pretrained loads {chosen} and ignores the "
+                        "others, while hf-ckpt export writes one of them only: remove the stray files (or export "
+                        "again into a fresh directory)")
+    if chosen is not None and not chosen.endswith((".safetensors", ".safetensors.index.json")):
+        problems.append(f"{os.path.join(dst, chosen)}: from_pretrained loads this pickle file, which hf-ckpt export "
+                        "never writes: export again into a fresh directory")
+        return None, problems
+    return chosen, problems
+
+
 def verify_plan(plan, dst) -> VerifyReport:
-    """Check that ``dst`` holds exactly the tensors of ``plan``, bitwise."""
-    have = read_hf_dir(dst)
+    """Check that ``dst`` holds exactly the tensors of ``plan``, bitwise: the weights ``from_pretrained``
+    (or, for an adapter, peft) would load from it (:func:`loaded_weights`), and nothing else beside them."""
     report = VerifyReport()
+    weights, problems = loaded_weights(dst, adapter=plan.adapter is not None)
+    report.differences.extend(problems)
+    if weights is None and problems:
+        return report
+    have = read_hf_dir(dst, weights=weights)
     expected = {t.name: t for t in plan.tensors}
     for alias, target in plan.aliases.items():
         if alias in have and target in expected:
@@ -74,15 +126,25 @@ def _check_source_crc(plan, report) -> None:
     import zipfile
 
     from .formats.torch_files import check_crc
+    from .sources import dcp
 
     ranges: Dict[str, List[Tuple[int, int]]] = {}
     for t in plan.tensors:
         parts = list(t.parts) + list(t.replicas) + (list(t.module_check[0]) + list(t.module_check[1])
-                                                    if t.module_check else [])
+                                                    if t.module_check else []) + \
+            [list(c.pieces) for _, chunks in t.tied_copies for c in chunks]
         for p in (p for part in parts for p in part):
             ranges.setdefault(p.path, []).append((p.offset, p.numel * DTYPE_SIZES[p.dtype]))
+    dcp_archives: Dict[str, List[Tuple[int, int]]] = {}
+    for d in sorted({os.path.dirname(p) for p in ranges if p.endswith(".distcp")}):
+        if os.path.isfile(os.path.join(d, dcp.METADATA)):  # the chunks' archives, where .metadata records them
+            dcp_archives.update(dcp.data_archives(d))
     for path in sorted(ranges):
-        if zipfile.is_zipfile(path):
+        if path in dcp_archives:  # torch DCP: one archive per chunk, each checked within its own bytes
+            for what in dcp.check_archive_crcs(path, dcp_archives[path], ranges[path]):
+                report.differences.append(f"{path}: {what} fails its CRC-32 check (the checksum torch wrote with "
+                                          "it): the source file is damaged, copy it again")
+        elif zipfile.is_zipfile(path):
             for entry in check_crc(path, ranges[path]):
                 report.differences.append(f"{path}: entry {entry} fails its CRC-32 check (the checksum torch "
                                           "wrote with it): the source file is damaged, copy it again")

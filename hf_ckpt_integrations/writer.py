@@ -36,12 +36,13 @@ from .formats.names import SAFETENSORS_PATTERN as SAFETENSORS_FILENAME_PATTERN
 from .formats.safetensors import encode_header
 from .guards import copyable_problem
 from .mapped_files import MappedFiles
+from .outfiles import open_new
 from .plan import ExportPlan, decide_dtypes
 
 __all__ = ["OutTensor", "split_shards", "shard_order", "write_shard", "write_index", "copy_config_files", "Staging",
            "set_config_dtype", "MAX_SHARD_SIZE", "SAFETENSORS_FILENAME_PATTERN", "INDEX_NAME",
-           "TMP_MARKER", "CONFIG_FILES", "check_max_shard_size", "check_workers", "plan_inputs", "fsync_dir",
-           "disk_error"]
+           "TMP_MARKER", "CONFIG_FILES", "check_max_shard_size", "check_workers", "plan_inputs", "export_strategy",
+           "fsync_dir", "disk_error"]
 
 # The old name of the export commit strategy (:class:`~.commit.SiblingSwap`).
 Staging = SiblingSwap
@@ -62,9 +63,13 @@ class OutTensor:
 
 
 def check_max_shard_size(max_shard_size) -> int:
-    """``max_shard_size`` ("5GB", "500MB" or a byte count) in bytes; :class:`~.errors.OptionError` otherwise."""
+    """``max_shard_size`` ("5GB", "500MB" or a byte count; None: the installed transformers'
+    ``save_pretrained`` default, :func:`~.formats.names.default_max_shard_size`) in bytes;
+    :class:`~.errors.OptionError` otherwise."""
     from huggingface_hub.serialization._base import parse_size_to_int
 
+    if max_shard_size is None:
+        max_shard_size = names.default_max_shard_size()
     try:
         size = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     except ValueError:
@@ -83,8 +88,22 @@ def check_workers(workers) -> int:
 
 
 def plan_inputs(plan: ExportPlan) -> List[str]:
-    """The directories an export of ``plan`` reads: what its destination must stay clear of."""
-    return sorted({plan.source, *(os.path.dirname(f) for f in plan.files)} - {None, ""})
+    """The directories an export of ``plan`` reads: what its destination must stay clear of (the
+    source, the directories of its files, a PEFT adapter's config directory)."""
+    adapter_config = (plan.adapter or {}).get("config")
+    return sorted({plan.source, *(os.path.dirname(f) for f in plan.files),
+                   os.path.dirname(adapter_config) if adapter_config else None} - {None, ""})
+
+
+def export_strategy(dst, *plans: ExportPlan, overwrite: bool = False) -> SiblingSwap:
+    """The commit strategy of an export written from ``plans`` (a merge reads two: the adapter and
+    its base), its destination guarded by the one check every output path goes through
+    (:func:`~.guards.check_destination`, run in ``begin``): not the source, the directory of a file
+    read, an adapter's or model's config directory, nor an ancestor or (inputs) a descendant of one."""
+    inputs = sorted({d for p in plans for d in plan_inputs(p)})
+    adapter_configs = [os.path.dirname(p.adapter["config"]) for p in plans if (p.adapter or {}).get("config")]
+    inputs = [(d, "the adapter config directory") for d in adapter_configs] + inputs  # named first
+    return SiblingSwap(dst, overwrite=overwrite, inputs=inputs, configs=[p.config_dir for p in plans])
 
 
 def split_shards(tensors: Sequence[OutTensor], max_shard_size=MAX_SHARD_SIZE):
@@ -110,7 +129,7 @@ def write_shard(path, tensors: Sequence[OutTensor], progress=None) -> int:
     tensors = shard_order(tensors)
     total = 0
     sources = {}
-    with open(path, "wb") as fh:
+    with open_new(path) as fh:  # a new file: never through a link planted at its name
         fh.write(encode_header((t.name, t.dtype, t.shape) for t in tensors))
         for t in tensors:
             got = 0
@@ -192,7 +211,8 @@ def copy_adapter_config(path: str, directory, skipped: List[str]) -> List[str]:
         skipped.append(problem)
         return []
     name = os.path.basename(path)
-    shutil.copyfile(os.path.realpath(path), os.path.join(directory, name))
+    with open(os.path.realpath(path), "rb") as src, open_new(os.path.join(directory, name)) as out:
+        shutil.copyfileobj(src, out)
     return [name]
 
 
@@ -214,7 +234,10 @@ def plan_tensors(plan: ExportPlan, dtype: Optional[str], files: MappedFiles, *, 
     bytes come as :class:`~.assemble.FileRange` (only :func:`write_shard` consumes those)."""
     if (dtype is not None and dtype_from_name(dtype) != plan.out_dtype) or any(t.out_dtype is None
                                                                               for t in plan.tensors):
-        decide_dtypes(plan, dtype)  # a plan built for another dtype (or by hand): decided here, once
+        from .sources.fp32_modules import keep_for_plan
+
+        # A plan built for another dtype (or by hand): decided here, once, by the same rule.
+        decide_dtypes(plan, dtype, keep_for_plan(plan, dtype))
     out = []
     for t in plan.tensors:
         d = t.out_dtype

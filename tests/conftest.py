@@ -29,6 +29,36 @@ ENGINES = REPO / "tests" / "engines"
 ACCELERATE_CONFIGS = ENGINES / "accelerate"  # real `accelerate launch` config files + their DeepSpeed JSON
 ENGINE_TIMEOUT_S = 900
 
+# `make test-fast` sets this: the selection `-m "not engine"` must launch no engine. A test that
+# does (an engine run asked for without the marker) fails at the launch instead of making the
+# fast suite slow without anyone noticing.
+NO_ENGINE_ENV = "HFCKPT_NO_ENGINE"
+# Fixtures that build or hold engine runs: a test using one (directly or through another fixture)
+# is an engine test whatever its file says.
+ENGINE_FIXTURES = {"engine_ckpt"}
+_LAUNCHERS = ("torch.distributed.run", "torchrun", "accelerate.commands.launch", "accelerate launch",
+              "NotebookClient")
+
+
+def refuse_engine_launch(what) -> None:
+    """Raise when an engine launch (``what``: a command or a description) happens under the fast selection."""
+    if os.environ.get(NO_ENGINE_ENV):
+        raise RuntimeError(f"engine launch under the fast suite ({NO_ENGINE_ENV} is set): {str(what)[:300]}; "
+                           "mark the test `@pytest.mark.engine` (or use the engine_ckpt fixture)")
+
+
+if os.environ.get(NO_ENGINE_ENV):
+    class _NoEnginePopen(subprocess.Popen):
+        """Every process a test starts is checked: a launcher in its command line is an engine run."""
+
+        def __init__(self, args, *a, **kw):
+            text = args if isinstance(args, (str, bytes)) else " ".join(map(str, args))
+            if any(k in str(text) for k in _LAUNCHERS):
+                refuse_engine_launch(text)
+            super().__init__(args, *a, **kw)
+
+    subprocess.Popen = _NoEnginePopen
+
 # DeepSpeed JIT-builds its CPU shm op into ~/.cache/torch_extensions by default: one directory for
 # every venv and every clone, each rebuilding it (their include paths differ) while the others may
 # be loading it — seen: the .so missing mid-run while another clone's tests ran. Every process the
@@ -92,6 +122,8 @@ CASES = {
        for f in ("llama", "gpt2", "t5", "bert", "mixtral", "qwen2_moe", "llava")},
     "fam-mixtral-z2": ("family_train.py", 2, ["--family", "mixtral", "--stage", "2"]),
     "fam-cb-qwen2_moe-z3": ("family_trainer_cb.py", 2, ["--family", "qwen2_moe", "--stage", "3"]),
+    # bf16 ZeRO-2 Trainer + callback on a class that keeps its routers in fp32 (tests/test_output_dtypes.py).
+    "fam-cb-deepseek_v3-z2-bf16": ("family_trainer_cb.py", 2, ["--family", "deepseek_v3", "--stage", "2", "--bf16"]),
     # torch DCP under FSDP2 (tests/test_dcp.py): plain fully_shard + dcp.save (vocab 1001 over 2 ranks),
     # Accelerate save_state, the Trainer's checkpoint-N.
     **{f"fsdp2-{m}": ("fsdp_train.py", 2, ["--mode", m]) for m in ("plain", "accelerate", "trainer")},
@@ -149,6 +181,7 @@ def _free_port() -> int:
 def torchrun(script, nproc, args, *, log, timeout=ENGINE_TIMEOUT_S, env=None, accelerate_config=None):
     """Run ``script`` under torchrun on CPU (or ``accelerate launch --config_file accelerate_config``,
     which itself runs torchrun); raise with the log tail when it fails."""
+    refuse_engine_launch(f"{script} on {nproc} ranks")
     if accelerate_config:
         # A free port: accelerate launch would otherwise rendezvous on 29500, shared with any
         # other launch on this machine (torchrun --standalone picks its own).
@@ -178,6 +211,7 @@ _FAILED = {}  # name -> error: a case that failed is not run again in the same s
 def build_case(name: str) -> Path:
     script, nproc, args = CASES[name]
     out = cache_root() / _cache_key(script) / name  # cases of one script share a parent (see cb-z3-resume)
+    refuse_engine_launch(f"engine case {name}")  # even a cached one: the fast suite needs no engine run
     if (out / "DONE").exists():
         return out
     if name in _FAILED:  # a silent retry by the next test would hide a flaky engine run
@@ -204,6 +238,58 @@ def build_case(name: str) -> Path:
 def engine_ckpt():
     """``engine_ckpt(name) -> Path`` of a cached engine run (see ``CASES``)."""
     return build_case
+
+
+COMMITTED = REPO / "tests" / "fixtures" / "deepspeed"
+
+
+@pytest.fixture
+def committed_zero2(tmp_path):
+    """A private copy (tests damage it) of a committed 2-rank ZeRO-2 checkpoint written by a real
+    DeepSpeed (tests/fixtures/deepspeed/0.18.9/zero2): ``work/ckpt`` (tag ``global_step2``) beside
+    ``work/config.json``; returns ``work``. The guards that only read a checkpoint run on it with
+    no engine run."""
+    work = tmp_path / "work"
+    shutil.copytree(COMMITTED / "0.18.9" / "zero2", work)
+    return work
+
+
+# A private copy of the ZeRO-2 engine case, in two layouts (tests damage them).
+@pytest.fixture
+def z2(engine_ckpt, tmp_path):
+    """A private copy of the ZeRO-2 case (tests may damage it)."""
+    case = engine_ckpt("z2-fp32")
+    src = tmp_path / "src"
+    shutil.copytree(case / "ckpt", src)
+    return src, case / "config"
+
+
+@pytest.fixture
+def z2_trainer(engine_ckpt, tmp_path):
+    """A private copy of the ZeRO-2 case with its config.json beside it (a Trainer-like layout)."""
+    case = engine_ckpt("z2-fp32")
+    src = tmp_path / "work" / "src"
+    shutil.copytree(case / "ckpt", src)
+    shutil.copy(case / "config" / "config.json", src / "config.json")
+    return src
+
+
+SECRET = "BEGIN-PRIVATE-KEY-do-not-share-4f1c"
+
+
+@pytest.fixture
+def secret(tmp_path):
+    p = tmp_path / "id_rsa"
+    p.write_text(SECRET + "\n")
+    return p
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that gets an engine run through a fixture is an engine test (marked here, so that
+    ``-m "not engine"`` is the fast suite without each file having to remember the marker)."""
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.engine)
 
 
 def pytest_report_header(config):

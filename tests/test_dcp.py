@@ -25,11 +25,12 @@ from helpers import assert_bitwise_equal, assert_refused, hf_ckpt, load_hf_state
 # ---------------------------------------------------------------- synthetic DCP directories
 
 
-def write_dcp(directory, tensors, *, nest=None, extra=None):
+def write_dcp(directory, tensors, *, nest=None, extra=None, stored=None):
     """A DCP checkpoint of ``tensors`` (``{fqn: (full tensor, [(offsets, sizes), ...])}``), each chunk
     torch.save'd into ``__<i % 2>_0.distcp`` at its recorded offset, as FileSystemWriter writes them.
     ``nest``: the state dict was nested under this key (Accelerate's ``{"model": ...}``).
-    ``extra``: ``{fqn: value}`` of further metadata entries (bytes, optimizer tensors)."""
+    ``extra``: ``{fqn: value}`` of further metadata entries (bytes, optimizer tensors).
+    ``stored``: ``stored(fqn, j, piece) -> tensor`` saved instead of chunk ``j`` (a damaged save)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                        MetadataIndex, TensorProperties, TensorStorageMetadata)
@@ -48,7 +49,8 @@ def write_dcp(directory, tensors, *, nest=None, extra=None):
                 piece = piece.narrow(d, o, s)
             stream = streams[(i + j) % 2]
             start = stream.tell()
-            torch.save(piece.clone().contiguous(), stream)
+            piece = piece.clone().contiguous()
+            torch.save(stored(fqn, j, piece) if stored else piece, stream)
             storage[MetadataIndex(fqn, offsets)] = _StorageInfo(f"__{(i + j) % 2}_0.distcp", start,
                                                                 stream.tell() - start)
             metas.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
@@ -140,7 +142,9 @@ def test_overlapping_chunks_are_refused(tmp_path):
         chunks = md.state_dict_metadata["w"].chunks
         chunks[1] = ChunkStorageMetadata(torch.Size([2, 0]), chunks[1].sizes)
     _mutate_metadata(src, overlap)
-    _refused(tmp_path, src, "overlap")
+    # (the reason, not "overlap" alone: pytest's temp path of this test holds that word too)
+    line = _refused(tmp_path, src, "do not tile its size [5, 4] (chunks 0 and 1 overlap)")
+    assert line.startswith(f"error: {src / '.metadata'}: the chunks recorded for w"), line
 
 
 def test_missing_chunk_is_refused(tmp_path):

@@ -58,9 +58,23 @@ def test_header_written_is_what_safetensors_writes_and_reads(tmp_path):
     assert st.floating_dtypes([tmp_path / "ref.safetensors"]) == {"F32", "BF16"}
 
 
-@pytest.mark.parametrize("damage", ["trailing byte", "unknown dtype", "bad shape", "length past the end",
-                                    "duplicate name"])
+# damage -> the reason read_header gives (what its own check found, after the file name)
+_HEADER_DAMAGE = {
+    "trailing byte": "the tensors end at byte 80 of 81 (truncated, or trailing bytes)",
+    "unknown dtype": "w: dtype 'F8_E4M3X' unknown",
+    "bad shape": "w: shape [-2] is not a list of non-negative integers",
+    "length past the end": "header length 1099511627776 exceeds the file",
+    "duplicate name": "a name appears twice in the header",
+    "size mismatch": "w: 8 bytes for shape [3] of F32",
+    "hole": "v: data starts at 12, the previous tensor ends at 8 (a hole or an overlap)",
+    "overlap": "v: data starts at 4, the previous tensor ends at 8 (a hole or an overlap)",
+}
+
+
+@pytest.mark.parametrize("damage", sorted(_HEADER_DAMAGE))
 def test_read_header_refuses_what_safetensors_refuses(tmp_path, damage):
+    """Each check of the header alone (``check_loader=False``: safetensors' own loader, which
+    refuses the same files, must not be what refuses them here)."""
     path = tmp_path / "x.safetensors"
     entry = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
     head, data = {"w": entry}, b"\0" * 8
@@ -68,17 +82,28 @@ def test_read_header_refuses_what_safetensors_refuses(tmp_path, damage):
     if damage == "trailing byte":
         data += b"\0"
     elif damage == "unknown dtype":
-        head["w"] = {**entry, "dtype": "F8_E4M3", "data_offsets": [0, 2]}
+        head["w"] = {**entry, "dtype": "F8_E4M3X", "data_offsets": [0, 2]}
         data = b"\0" * 2
     elif damage == "bad shape":
         head["w"] = {**entry, "shape": [-2]}
     elif damage == "duplicate name":
         text = '{"w": %s, "w": %s}' % (json.dumps(entry), json.dumps(entry))
+    elif damage == "size mismatch":
+        head["w"] = {**entry, "shape": [3]}
+    elif damage in ("hole", "overlap"):
+        start = 12 if damage == "hole" else 4
+        head["v"] = {**entry, "data_offsets": [start, start + 8]}
+        data = b"\0" * (start + 8)
     raw = (text or json.dumps(head)).encode()
+    if damage == "trailing byte":
+        raw += b" " * (64 - len(raw))  # a fixed header length, so the reason's byte counts are known
     length = len(raw) if damage != "length past the end" else 2**40
     path.write_bytes(length.to_bytes(8, "little") + raw + data)
-    with pytest.raises(CheckpointError, match=str(path)):
+    with pytest.raises(CheckpointError) as e:
         st.read_header(path, check_loader=False)
+    prefix = f"{path}: not a valid safetensors file ("
+    assert str(e.value).startswith(prefix), str(e.value)
+    assert str(e.value)[len(prefix):].startswith(_HEADER_DAMAGE[damage]), str(e.value)
 
 
 def test_names_and_index(tmp_path):

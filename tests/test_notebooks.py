@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import refuse_engine_launch
+
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 VENVS = (".venv", ".venv-cai")
@@ -62,6 +64,7 @@ def _venv_of(nb_path: Path) -> str:
 
 
 def _run_notebook(nb_path: Path, tmp: Path) -> dict:
+    refuse_engine_launch(f"notebook {nb_path.name}")  # each notebook launches torchrun jobs
     venv = REPO / _venv_of(nb_path)
     python = venv / "bin" / "python"
     kernel = f"hfckpt-{venv.name.lstrip('.')}"
@@ -117,6 +120,7 @@ def test_committed_without_outputs(nb_path):
     assert _venv_of(nb_path) in VENVS, f"{nb_path.name}: metadata.hf_ckpt.venv must be one of {VENVS}"
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(nb_path, executed):
     venv = _venv_of(nb_path)

@@ -166,8 +166,10 @@ def test_merge_interrupted_mid_move_is_finished_by_the_next_writer(tmp_path, mon
 
 def test_merge_unfinished_staging_is_removed_and_the_lock_refuses_a_second_writer(tmp_path):
     d, old_arrays = _checkpoint_dir(tmp_path)
-    (d / commit.STAGING_NAME).mkdir()
+    crashed = MergeIntoCheckpoint(d)
+    crashed.begin()
     (d / commit.STAGING_NAME / "model-00001-of-00002.safetensors").write_bytes(b"partial")  # no journal
+    crashed._release()  # the writer stops here, as in a crash: its marked staging directory stays
     first = MergeIntoCheckpoint(d)
     first.begin()
     try:

@@ -19,10 +19,10 @@ Policy, the same for every path (offline export, torchrun export, save-time hook
 
 import json
 import os
-import shutil
 import warnings
 from typing import Iterable, List, Optional
 
+from ..outfiles import replace_file
 from . import dtypes as _dtypes
 from .names import CONFIG_FILES, CONFIG_NAME
 
@@ -77,7 +77,8 @@ def copy_config_files(config_dir: Optional[str], directory, skipped: Optional[Li
             continue
         real, out = os.path.realpath(p), os.path.join(directory, name)
         if real != os.path.realpath(out):  # a save-time hook writes into the config dir itself
-            shutil.copyfile(real, out)
+            with open(real, "rb") as fh:
+                replace_file(out, source=fh)  # a link at ``out`` is replaced, not written through
             copied.append(name)
     return copied
 
@@ -144,7 +145,5 @@ def record_dtype(directory, tensor_dtypes: Iterable[str]) -> Optional[str]:
     if cfg.get(key) == value:
         return value
     cfg[key] = value
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(cfg, fh, indent=2, sort_keys=True)
-        fh.write("\n")
+    replace_file(path, (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode("utf-8"))
     return value

@@ -7,6 +7,7 @@ and a PEFT adapter directory's ``adapter_config.json`` + ``adapter_model.safeten
 come from ``huggingface_hub``'s splitter (its ``filename_pattern``), never formatted here.
 """
 
+import functools
 import json
 import os
 import re
@@ -17,7 +18,7 @@ from ..errors import CheckpointError, one_line
 __all__ = ["SAFETENSORS_NAME", "SAFETENSORS_INDEX", "SAFETENSORS_PATTERN", "BIN_NAME", "BIN_INDEX", "BIN_PATTERN",
            "INDEX_NAMES", "SINGLE_NAMES", "CONFIG_FILES", "CONFIG_NAME", "GENERATION_CONFIG_NAME",
            "ADAPTER_CONFIG_NAME", "ADAPTER_SAFETENSORS_NAME", "ADAPTER_BIN_NAME", "SAVED_WEIGHTS_RE",
-           "WEIGHT_FILES_RE", "MAX_SHARD_SIZE", "weight_names", "has_weights", "split_shards", "write_index", "read_index"]
+           "WEIGHT_FILES_RE", "MAX_SHARD_SIZE", "default_max_shard_size", "weight_names", "has_weights", "split_shards", "write_index", "read_index"]
 
 SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -27,7 +28,9 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 BIN_PATTERN = "pytorch_model{suffix}.bin"
 INDEX_NAMES = (SAFETENSORS_INDEX, BIN_INDEX)  # in the order from_pretrained prefers them
 SINGLE_NAMES = (SAFETENSORS_NAME, BIN_NAME)
-MAX_SHARD_SIZE = "5GB"  # save_pretrained's default
+# A max_shard_size of None (the default everywhere) means save_pretrained's own default in the
+# installed transformers: :func:`default_max_shard_size`, read from its signature, never copied here.
+MAX_SHARD_SIZE = None
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -58,7 +61,63 @@ def split_shards(items: Dict[str, object], get_size: Callable[[object], int], *,
     from huggingface_hub import split_state_dict_into_shards_factory
 
     return split_state_dict_into_shards_factory(items, get_storage_size=get_size, filename_pattern=pattern,
-                                                max_shard_size=max_shard_size)
+                                                max_shard_size=max_shard_size if max_shard_size is not None
+                                                else default_max_shard_size())
+
+
+@functools.lru_cache(maxsize=1)
+def default_max_shard_size():
+    """``save_pretrained``'s default ``max_shard_size`` in the installed transformers, read from its
+    signature (transformers 5: ``"50GB"``, 4.x: ``"5GB"``); without transformers,
+    ``huggingface_hub``'s own default (what its ``save_torch_state_dict`` uses).
+
+    The signature is read from the source of ``modeling_utils.py`` (the literal default of
+    ``PreTrainedModel.save_pretrained``): importing transformers imports torch, seconds and hundreds
+    of MB that an export served from the Hub-layout cache never needs. Where the source cannot be
+    read that way, ``inspect.signature`` of the imported method answers."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        from huggingface_hub.serialization._base import MAX_SHARD_SIZE as HUB_DEFAULT
+
+        return HUB_DEFAULT
+    found = _literal_default(os.path.join(list(spec.submodule_search_locations)[0], "modeling_utils.py"),
+                             "PreTrainedModel", "save_pretrained", "max_shard_size")
+    if found is not None:
+        return found
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    return inspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
+
+
+def _literal_default(path: str, cls: str, method: str, arg: str):
+    """The default of ``arg`` in ``cls.method`` as written in the Python file ``path``, when it is a
+    literal; None otherwise."""
+    import ast
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for fn in node.body:
+                if isinstance(fn, ast.FunctionDef) and fn.name == method:
+                    args = fn.args
+                    positional = args.posonlyargs + args.args
+                    pairs = list(zip(positional[len(positional) - len(args.defaults):], args.defaults))
+                    pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+                    for a, d in pairs:
+                        if a.arg == arg:
+                            try:
+                                return ast.literal_eval(d)
+                            except ValueError:
+                                return None
+    return None
 
 
 def write_index(directory, weight_map: Dict[str, str], *, total_size: int, total_parameters: Optional[int] = None,
@@ -70,7 +129,9 @@ def write_index(directory, weight_map: Dict[str, str], *, total_size: int, total
     if total_parameters is not None:
         meta["total_parameters"] = total_parameters
     path = os.path.join(directory, name)
-    with open(path, "w", encoding="utf-8") as fh:
+    from ..outfiles import open_new
+
+    with open_new(path, "w", encoding="utf-8") as fh:  # a new file: never through a planted link
         json.dump({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}, fh, indent=2, sort_keys=True)
         fh.write("\n")
     return path

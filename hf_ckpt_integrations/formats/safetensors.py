@@ -145,18 +145,22 @@ def floating_dtypes(paths: Iterable) -> set:
     return out
 
 
-def read_hf_dir(path) -> Dict[str, Tuple[str, str, Tuple[int, ...], int, int]]:
+def read_hf_dir(path, *, weights: Optional[str] = None) -> Dict[str, Tuple[str, str, Tuple[int, ...], int, int]]:
     """name -> (file, dtype, shape, byte offset, nbytes) for every tensor of the safetensors HF
     directory ``path`` (its index and the shards it names, or ``model.safetensors``), every header
-    validated (:func:`read_header`). Raises :class:`~..errors.CheckpointError` for a directory
-    ``from_pretrained`` would misread: no weights, a tensor in two shards, an index that disagrees
-    with its shards."""
+    validated (:func:`read_header`). ``weights``: read this file of ``path`` (a ``*.safetensors`` or
+    ``*.safetensors.index.json`` name) instead of choosing. Raises :class:`~..errors.CheckpointError`
+    for a directory ``from_pretrained`` would misread: no weights, a tensor in two shards, an index
+    that disagrees with its shards."""
     from .names import ADAPTER_SAFETENSORS_NAME, SAFETENSORS_INDEX, SAFETENSORS_NAME, read_index
 
     path = os.fspath(path)
-    index = os.path.join(path, SAFETENSORS_INDEX)
+    index = os.path.join(path, weights if weights is not None and weights.endswith(".index.json")
+                         else SAFETENSORS_INDEX)
     weight_map = None
-    if os.path.isfile(index):
+    if weights is not None and not weights.endswith(".index.json"):
+        files = [weights]
+    elif os.path.isfile(index):
         weight_map = read_index(index)
         files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(path, SAFETENSORS_NAME)):

@@ -15,7 +15,6 @@ import os
 from typing import Callable, List, Optional, Sequence
 
 from ..commit import STAGING_NAME, MergeIntoCheckpoint
-from ..formats.dtypes import from_user as dtype_from_name
 from ..formats.names import SAVED_WEIGHTS_RE
 from ..formats.safetensors import floating_dtypes
 from ..orchestrator import Assignment, WriteError, default_comm, write
@@ -94,6 +93,18 @@ def existing_weights_dtype(directory) -> Optional[str]:
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
+def _holds_plan_dtypes(directory, plan) -> bool:
+    """True when ``directory`` already holds safetensors weights with every tensor of ``plan`` in its
+    decided output dtype (the Trainer's own save, written in the target dtype)."""
+    from ..formats.safetensors import read_hf_dir
+
+    names = existing_weights(directory)
+    if not names or not all(n.endswith((".safetensors", ".json")) for n in names):
+        return False
+    held = {name: entry[1] for name, entry in read_hf_dir(directory).items()}
+    return all(held.get(t.name) == t.out_dtype for t in plan.tensors)
+
+
 def remove_weights(directory) -> None:
     for n in existing_weights(directory):
         os.remove(os.path.join(directory, n))
@@ -148,8 +159,9 @@ def consolidate_checkpoint(checkpoint_dir, *, tag: Optional[str] = None, dtype: 
 
     Every rank calls it (or a single process without ``torch.distributed``); the directory must be
     on a filesystem all ranks see. ``dtype``: ``None`` (fp32 masters when present), ``"fp32"``,
-    ``"bf16"``, ``"fp16"``. ``existing``: ``"auto"`` keeps weights already there when their dtype is
-    the target dtype, ``"replace"`` always rewrites them. Returns ``{"action": "kept"|"written", ...}``.
+    ``"bf16"``, ``"fp16"``. ``existing``: ``"auto"`` keeps weights already there when each of their
+    tensors has the dtype the export would write (:mod:`..dtype_rule`), ``"replace"`` always
+    rewrites them. Returns ``{"action": "kept"|"written", ...}``.
     Raises :class:`SaveError` on every rank when any rank failed (plan refused, disk full, ...).
     """
     if existing not in ("auto", "replace"):
@@ -160,31 +172,19 @@ def consolidate_checkpoint(checkpoint_dir, *, tag: Optional[str] = None, dtype: 
 
     checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
     what = what or f"consolidating {checkpoint_dir}"
-    target = dtype_from_name(dtype)
-    decision, error = None, None
-    if rank_world()[0] == 0:
-        try:
-            decision = "write"
-            if existing_weights(checkpoint_dir) and existing == "auto":
-                # Without a dtype the export would be the fp32 masters (the plan's default).
-                if existing_weights_dtype(checkpoint_dir) == (target or "F32"):
-                    decision = "keep"
-        except Exception as e:  # reported on every rank below
-            error = e
-    decision = broadcast_from_0(decision)
-    all_ranks_ok(error, what)
-    if decision == "keep":
-        return {"action": "kept", "files": existing_weights(checkpoint_dir)}
-
-    # The plan is built once, on rank 0, from the files every rank sees; the others receive it.
-    plan, error = None, None
+    # The plan is built once, on rank 0, from the files every rank sees; the others receive it. Its
+    # output dtypes (the one rule, fp32-kept modules included) say whether the weights there will do.
+    plan, decision, error = None, None, None
     if rank_world()[0] == 0:
         try:
             plan = build_plan(checkpoint_dir, tag=tag, dtype=dtype, config=config)
+            decision = "keep" if existing == "auto" and _holds_plan_dtypes(checkpoint_dir, plan) else "write"
         except Exception as e:
             error = e
     all_ranks_ok(error, f"{what}: planning")
-    plan = broadcast_from_0(plan)
+    plan, decision = broadcast_from_0((plan, decision))
+    if decision == "keep":
+        return {"action": "kept", "files": existing_weights(checkpoint_dir)}
     with MappedFiles() as files:
         tensors = plan_tensors(plan, dtype, files, ranges=True)
         report = write_distributed(tensors, checkpoint_dir, max_shard_size=max_shard_size,

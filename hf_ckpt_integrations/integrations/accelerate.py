@@ -33,7 +33,8 @@ import os
 from typing import Optional
 
 from ..formats.config import write_config
-from ..formats.dtypes import training_dtype
+from ..dtype_rule import request, trained_dtype
+from ..formats.dtypes import to_user
 from ..writer import MAX_SHARD_SIZE, OutTensor
 from ._dist import SaveError, consolidate_checkpoint, rank_world, write_config_on_rank0, write_distributed
 
@@ -41,7 +42,14 @@ __all__ = ["install_accelerate_hooks", "save_model"]
 
 logger = logging.getLogger(__name__)
 
-_ACCELERATE_DEFAULT_SHARD = "10GB"  # accelerator.save_model's own default
+
+def _accelerate_default_shard():
+    """``accelerator.save_model``'s own default ``max_shard_size``, read from its signature."""
+    import inspect
+
+    from accelerate import Accelerator
+
+    return inspect.signature(Accelerator.save_model).parameters["max_shard_size"].default
 
 
 def _supported(accelerator) -> bool:
@@ -55,11 +63,12 @@ def _supported(accelerator) -> bool:
                   DistributedType.MULTI_GPU)
 
 
-def save_model(accelerator, model, save_directory, max_shard_size=_ACCELERATE_DEFAULT_SHARD,
+def save_model(accelerator, model, save_directory, max_shard_size=None,
                safe_serialization: bool = True, *, dtype: Optional[str] = None) -> dict:
     """What the hooked ``accelerator.save_model`` runs. Collective: every rank calls it.
 
-    ``dtype``: ``None`` keeps the training dtype of each tensor. Returns the writer's report.
+    ``dtype``: ``None`` keeps the training dtype of each tensor. ``max_shard_size``: None is
+    ``accelerator.save_model``'s own default. Returns the writer's report.
     Raises :class:`~._dist.SaveError` on every rank when any rank failed.
     """
     from ..sources.live import live_tensors, reads_are_collective
@@ -72,6 +81,8 @@ def save_model(accelerator, model, save_directory, max_shard_size=_ACCELERATE_DE
     if is_peft_model(module):  # only the adapter, as PeftModel.save_pretrained writes it
         return save_adapter_live(module, save_directory, dtype=dtype)
     tensors = live_tensors(module, dtype=dtype)
+    if max_shard_size is None:
+        max_shard_size = _accelerate_default_shard()
     report = write_distributed(tensors, save_directory, max_shard_size=max_shard_size,
                                collective=reads_are_collective(module), replace_existing=True,
                                fmt="safetensors" if safe_serialization else "bin",
@@ -93,7 +104,8 @@ def _save_state_pre_hook(accelerator, dtype, max_shard_size):
         # save_state has already run model.save_checkpoint(output_dir, "pytorch_model") on all ranks.
         module = accelerator.unwrap_model(models[0])
         write_config_on_rank0(module, output_dir)
-        consolidate_checkpoint(output_dir, tag="pytorch_model", dtype=dtype or training_dtype(module),
+        consolidate_checkpoint(output_dir, tag="pytorch_model",
+                               dtype=to_user(request(dtype, training=trained_dtype(module))),
                                max_shard_size=max_shard_size,
                                what=f"accelerator.save_state HF copy in {output_dir}")
     return hook
@@ -113,7 +125,7 @@ def install_accelerate_hooks(accelerator, *, dtype: Optional[str] = None, save_s
     original = accelerator.save_model
 
     @functools.wraps(original)
-    def hooked_save_model(model, save_directory, max_shard_size=_ACCELERATE_DEFAULT_SHARD,
+    def hooked_save_model(model, save_directory, max_shard_size=_accelerate_default_shard(),
                           safe_serialization=True):
         if not _supported(accelerator):
             return original(model, save_directory, max_shard_size=max_shard_size,

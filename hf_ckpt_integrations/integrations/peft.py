@@ -18,6 +18,8 @@ import copy
 import os
 from typing import Optional
 
+from ..dtype_rule import request
+from ..formats.dtypes import to_user
 from ..sources.peft import (adapter_names_in, adapter_out_dir, check_not_empty, is_peft_model,
                             save_name)
 from ._dist import all_ranks_ok, rank_world, write_distributed
@@ -68,7 +70,7 @@ def consolidate_adapter(checkpoint_dir, model, *, dtype: Optional[str] = None) -
     from ..writer import plan_tensors
 
     checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
-    dtype = dtype or adapter_dtype(model)
+    dtype = to_user(request(dtype, training=adapter_dtype(model)))  # default: the adapter's own dtype
     reports = {}
     for adapter in _trained_adapters(model):
         out_dir = adapter_out_dir(checkpoint_dir, adapter)
@@ -95,7 +97,7 @@ def save_adapter_live(module, save_directory, *, dtype: Optional[str] = None) ->
     reading only the adapter parameters. Collective."""
     from ..sources.live import live_tensors, reads_are_collective
 
-    dtype = dtype or adapter_dtype(module)
+    dtype = to_user(request(dtype, training=adapter_dtype(module)))  # default: the adapter's own dtype
     reports = {}
     for adapter in _trained_adapters(module):
         out_dir = adapter_out_dir(os.path.abspath(os.fspath(save_directory)), adapter)

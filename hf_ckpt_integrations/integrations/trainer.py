@@ -27,7 +27,8 @@ from typing import Optional
 
 from transformers import TrainerCallback
 
-from ..formats.dtypes import from_user as dtype_from_name, training_dtype
+from ..dtype_rule import request, trained_dtype
+from ..formats.dtypes import from_user as dtype_from_name, to_user, training_dtype
 from ..writer import MAX_SHARD_SIZE
 from ._dist import barrier, consolidate_checkpoint, existing_weights, write_config_on_rank0
 
@@ -74,8 +75,14 @@ def save_model(trainer, output_dir: Optional[str] = None, *, dtype: Optional[str
         return consolidate_adapter(output_dir, trainer.model, dtype=dtype)
     if not _has_engine_checkpoint(output_dir):
         return {"action": "kept", "files": existing_weights(output_dir)}
-    return _consolidate_engine_checkpoint(output_dir, trainer.model, dtype=dtype or training_dtype(trainer.model),
+    return _consolidate_engine_checkpoint(output_dir, trainer.model, dtype=_default_dtype(dtype, trainer.model),
                                           max_shard_size=max_shard_size, existing=existing)
+
+
+def _default_dtype(dtype: Optional[str], model) -> Optional[str]:
+    """The dtype asked for, by default the training dtype (:func:`~..dtype_rule.request`): what
+    ``save_pretrained`` of the trained model writes (its fp32-kept modules still from the masters)."""
+    return to_user(request(dtype, training=trained_dtype(model)))
 
 
 class ConsolidatedCheckpointCallback(TrainerCallback):
@@ -85,7 +92,8 @@ class ConsolidatedCheckpointCallback(TrainerCallback):
 
     - ``dtype``: ``None`` = the training dtype of the module weights; ``"fp32"`` = the fp32 masters;
       ``"bf16"``/``"fp16"``.
-    - ``max_shard_size``: as ``save_pretrained`` (default ``"5GB"``).
+    - ``max_shard_size``: as ``save_pretrained``; None (default): the installed transformers'
+      ``save_pretrained`` default (:func:`~..formats.names.default_max_shard_size`).
     - ``checkpoints``: ``"every"`` (each save, in ``on_save``) or ``"last"`` (only the run's last
       checkpoint, in ``on_train_end``).
     - ``existing``: ``"auto"`` (keep the Trainer's weights when they have the target dtype) or
@@ -116,7 +124,7 @@ class ConsolidatedCheckpointCallback(TrainerCallback):
         if is_peft_model(model):  # the adapter directory PeftModel.save_pretrained writes, no model.safetensors
             report = self.reports[directory] = consolidate_adapter(directory, model, dtype=self.dtype)
             return report
-        dtype = self.dtype or training_dtype(model)
+        dtype = _default_dtype(self.dtype, model)
         report = _consolidate_engine_checkpoint(directory, model, dtype=dtype, max_shard_size=self.max_shard_size,
                                                 existing=self.existing)
         self.reports[directory] = report

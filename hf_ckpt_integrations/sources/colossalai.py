@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import LayoutError
-from ..formats.dtypes import FLOATS, from_torch, from_user as dtype_from_name, to_torch
+from ..dtype_rule import keep_fp32_of_model, output_dtype, request
+from ..formats.dtypes import FLOATS, from_torch, to_torch
 from ..plan import LivePiece, TensorPlan
 from .live import own_bytes
 
@@ -219,7 +220,8 @@ def live_plan(infos: Sequence[TensorInfo], module, *, dtype: Optional[str] = Non
     holders (point to point), concatenates and unpads them, and yields the bytes; a holding rank
     sends its local piece to the writer; other ranks do nothing. Every rank must read the tensors
     in the same order (the writer's). ``dtype``: ``None`` keeps the training dtype;
-    ``"fp32"``/``"bf16"``/``"fp16"`` casts floats.
+    ``"fp32"``/``"bf16"``/``"fp16"`` casts floats, but the model class's fp32-kept modules
+    (:mod:`..dtype_rule`).
     """
     import torch
     import torch.distributed as dist
@@ -227,14 +229,15 @@ def live_plan(infos: Sequence[TensorInfo], module, *, dtype: Optional[str] = Non
     me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     mine = dict(local_tensors(module))
     device = next((t.device for t in mine.values()), torch.device("cpu"))
-    st_target = dtype_from_name(dtype)
-    cast = to_torch(st_target) if st_target else None
+    requested = request(dtype)
+    keep = keep_fp32_of_model(module)
     out = []
     for info in infos:
         local = mine.get(info.name)
-        out_dtype = st_target if (st_target and info.dtype in FLOATS) else info.dtype
+        out_dtype = output_dtype(info.name, info.dtype, requested, keep)
+        cast = to_torch(out_dtype) if info.dtype in FLOATS else None
 
-        def read(lo, hi, writer, info=info, local=local):
+        def read(lo, hi, writer, info=info, local=local, cast=cast):
             sources = info.sources(writer)
             if me == writer:
                 full = _gathered(info, local, sources, me, device)

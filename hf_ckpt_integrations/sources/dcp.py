@@ -31,7 +31,7 @@ from ..errors import CheckpointError, LayoutError, one_line, short_repr
 from ..plan import Chunk, ExportPlan, Piece, TensorPlan, check_tiling, row_major_pieces
 from ..formats.unpickler import Record, record_type
 
-__all__ = ["ALLOWED", "find_dcp_dir", "read_metadata", "build_plan", "DcpTensor", "NAME", "LOOKS_FOR",
+__all__ = ["ALLOWED", "find_dcp_dir", "read_metadata", "data_archives", "check_archive_crcs", "build_plan", "DcpTensor", "NAME", "LOOKS_FOR",
            "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "detect", "config_candidates", "plan"]
 
 # The source protocol (sources/registry.py).
@@ -177,6 +177,7 @@ def read_metadata(dcp_dir: str):
                                                                                   where)))
         tensors[fqn] = DcpTensor(dtype, size, placed)
     storage = {}
+    spans = []  # (file, start, end, fqn, offsets) of every storage entry: distinct chunks never share bytes
     sdata = md.field("storage_data")
     if type(sdata) is not dict:
         raise LayoutError(f"{where}: no storage_data (written by a storage writer other than FileSystemWriter?); "
@@ -190,6 +191,8 @@ def read_metadata(dcp_dir: str):
                 or off < 0 or length < 0:
             raise LayoutError(f"{where}: storage entry {short_repr(info.state)} is malformed; the checkpoint is "
                               "corrupt or crafted: copy it again from the training run")
+        if length:
+            spans.append((rel, off, off + length, fqn, offsets))
         if fqn not in tensors:
             continue
         if not rel or rel in (".", "..") or "/" in rel or "\\" in rel or "\0" in rel:
@@ -201,6 +204,7 @@ def read_metadata(dcp_dir: str):
                               "chunks FileSystemWriter stores plainly: save without _extensions")
         storage[(fqn, _ints(tuple(offsets) if type(offsets) in (tuple, list) else offsets, "storage offsets",
                             where))] = (rel, off, length)
+    _check_disjoint(dcp_dir, spans, where)
     planner = md.field("planner_data")
     paths = {}
     for fqn in tensors:
@@ -209,6 +213,91 @@ def read_metadata(dcp_dir: str):
             path = (fqn,)
         paths[fqn] = tuple(str(p) for p in path)
     return tensors, storage, paths
+
+
+def _check_disjoint(dcp_dir, spans, where) -> None:
+    """Refuse storage entries whose byte ranges overlap in one file: FileSystemWriter writes every
+    chunk as its own archive, so two entries sharing bytes would export one chunk's values as the
+    other's (a sort, then neighbours: N log N)."""
+    spans.sort(key=lambda s: (s[0], s[1], s[2]))
+    reach = None  # the span reaching furthest so far in the current file
+    for span in spans:
+        if reach is not None and reach[0] == span[0] and span[1] < reach[2]:
+            raise LayoutError(
+                f"{os.path.join(dcp_dir, one_line(span[0][:64]))}: bytes {span[1]}+{span[2] - span[1]} are recorded "
+                f"(in {where}) as storage of both {one_line(str(reach[3])[:100])} at offsets {short_repr(reach[4])} "
+                f"and {one_line(str(span[3])[:100])} at offsets {short_repr(span[4])}; distinct chunks never share "
+                "bytes: the metadata is corrupt or crafted, copy the checkpoint again from the training run")
+        if reach is None or reach[0] != span[0] or span[2] > reach[2]:
+            reach = span
+
+
+def data_archives(dcp_dir: str) -> Dict[str, List[Tuple[int, int]]]:
+    """``{data file path: [(start, length)]}``: where ``.metadata`` of the FileSystemWriter checkpoint
+    ``dcp_dir`` records each model chunk's ``torch.save`` archive (what :func:`check_archive_crcs` reads)."""
+    _, storage, _ = read_metadata(dcp_dir)
+    out: Dict[str, List[Tuple[int, int]]] = {}
+    for rel, start, length in storage.values():
+        out.setdefault(os.path.join(os.path.abspath(dcp_dir), rel), []).append((start, length))
+    return {path: sorted(set(spans)) for path, spans in out.items()}
+
+
+class _ArchiveWindow:
+    """Bytes ``[start, start + size)`` of an open file as a seekable file of its own: one chunk's
+    archive inside a ``.distcp`` file, for ``zipfile`` (which, given the whole file, finds only the
+    last archive's central directory)."""
+
+    def __init__(self, fh, start: int, size: int):
+        self._fh, self._start, self._size, self._pos = fh, start, size, 0
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self._pos
+
+    def seek(self, pos, whence=0):
+        self._pos = max(0, {0: 0, 1: self._pos, 2: self._size}[whence] + pos)
+        return self._pos
+
+    def read(self, n=-1):
+        n = self._size - self._pos if n is None or n < 0 else min(n, max(0, self._size - self._pos))
+        self._fh.seek(self._start + self._pos)
+        data = self._fh.read(n)
+        self._pos += len(data)
+        return data
+
+
+_CRC_BLOCK = 16 * 2**20
+
+
+def check_archive_crcs(path: str, archives: List[Tuple[int, int]], ranges: List[Tuple[int, int]]) -> List[str]:
+    """CRC-32 of every entry of every archive of ``archives`` (``(start, length)`` in ``path``, from
+    :func:`data_archives`) that holds a byte of ``ranges`` (``(offset, nbytes)``, absolute), each archive
+    read within its own bytes, against the checksum its zip recorded; returns what fails
+    (``"bytes S+L: entry NAME"``). A flipped bit in any chunk of a ``.distcp`` file is found, not
+    only in the last one."""
+    import zipfile
+
+    spans = sorted((o, o + n) for o, n in ranges if n)
+    bad = []
+    with open(path, "rb") as fh:
+        for start, length in archives:
+            if not any(lo < start + length and start < hi for lo, hi in spans):
+                continue
+            where = f"bytes {start}+{length}"
+            try:
+                with zipfile.ZipFile(_ArchiveWindow(fh, start, length)) as zf:
+                    for info in zf.infolist():
+                        try:
+                            with zf.open(info) as entry:  # zipfile compares the CRC-32 at the entry's end
+                                while entry.read(_CRC_BLOCK):
+                                    pass
+                        except (zipfile.BadZipFile, EOFError, OSError, ValueError, NotImplementedError):
+                            bad.append(f"{where}: entry {info.filename}")
+            except (zipfile.BadZipFile, EOFError, OSError, ValueError, NotImplementedError) as e:
+                bad.append(f"{where}: not a readable archive ({type(e).__name__})")
+    return bad
 
 
 def model_names(paths: Dict[str, Tuple[str, ...]]) -> Dict[str, str]:

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..errors import LayoutError
 
 from ..formats.config import transformers_major  # re-exported: the hooks and tests ask here
+from .answer_cache import cache_key, read_answer, write_answer
 
 __all__ = ["HubTensor", "meta_model", "transformers_major", "hub_layout", "describe_conversions", "convert_plan",
            "live_layout",
@@ -241,42 +242,23 @@ def _model_for(config_dir: str, model_type: Optional[str]):
 
 
 # Bump when what a cache entry holds (or how it is derived) changes.
-_LAYOUT_CACHE_FORMAT = 1
+_LAYOUT_CACHE_FORMAT = 3  # 3: written only for a config.json that fits the tensors, key and digest inside
 
 
-def _layout_cache_path(cfg: dict, shapes: Dict[str, Tuple[int, ...]], aliases: Dict[str, str]) -> Optional[str]:
-    """Where the derived layout of this (transformers release, config, names and shapes, tied names) is
-    kept: ``$HF_CKPT_CACHE``, else ``$XDG_CACHE_HOME`` or ``~/.cache``, ``/hf_ckpt_integrations/hub-layout``.
-    Deriving it imports torch and transformers (seconds, hundreds of MB); every checkpoint-N of a run asks
-    the same question. None where no cache directory can be named."""
-    import hashlib
-    import importlib.metadata as md
-    import json
-    import os
-
-    from .._version import __version__
-
-    root = os.environ.get("HF_CKPT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "hf_ckpt_integrations")
-    if not os.path.isabs(root):
-        return None
-    key = json.dumps([_LAYOUT_CACHE_FORMAT, __version__, md.version("transformers"), cfg,
-                      [[n, list(s)] for n, s in shapes.items()], sorted(aliases.items())],
-                     sort_keys=True, default=str)
-    return os.path.join(root, "hub-layout", hashlib.sha256(key.encode()).hexdigest() + ".json")
+def _layout_cache_key(cfg: dict, shapes: Dict[str, Tuple[int, ...]], aliases: Dict[str, str]) -> str:
+    """Everything the answer depends on: the cache format, the config, the names and shapes, the tied
+    names (:func:`~.answer_cache.cache_key` adds the releases)."""
+    return cache_key("hub-layout", [_LAYOUT_CACHE_FORMAT, cfg, [[n, list(s)] for n, s in shapes.items()],
+                                    sorted(aliases.items())])
 
 
-def _read_cached(path: Optional[str], shapes, aliases) -> Optional[dict]:
-    """A cache entry, or None when absent or not exactly what :func:`_derive` writes (then it is
-    derived again: an entry is a speed-up, never trusted beyond what is re-checked)."""
-    import json
-
-    if path is None:
-        return None
+def _read_cached(key: str, shapes, aliases) -> Optional[dict]:
+    """The answer cached under ``key`` (:func:`~.answer_cache.read_answer`), or None (then it is
+    derived again) when absent, not ours, malformed in any way, or not exactly what :func:`_derive`
+    writes. A bad entry is a miss, never an error: the cache is a speed-up, never an authority."""
+    answer = read_answer("hub-layout", key)
     try:
-        with open(path, encoding="utf-8") as fh:
-            entry = json.loads(fh.read(64 * 2**20))
-        renames, layout, note = entry["renames"], entry["layout"], entry["note"]
+        renames, layout, note = answer["renames"], answer["layout"], answer["note"]
         ok = (isinstance(renames, dict) and all(k in shapes and isinstance(v, str) and aliases.get(v) == k
                                                 for k, v in renames.items())
               and (note is None or isinstance(note, str))
@@ -287,49 +269,41 @@ def _read_cached(path: Optional[str], shapes, aliases) -> Optional[dict]:
         if ok and layout is not None:  # it must still tile every tensor exactly once
             renamed = {renames.get(n, n): sh for n, sh in shapes.items()}
             _check_tiling([HubTensor(h[0], h[1], tuple(h[2]), h[3]) for h in layout], renamed, None)
-        return entry if ok else None
-    except (OSError, ValueError, KeyError, TypeError, LayoutError):
+        return answer if ok else None
+    except Exception:  # None, a wrong type anywhere, LayoutError: a miss
         return None
 
 
-def _write_cached(path: Optional[str], entry: dict) -> None:
-    import json
-    import os
-    import tempfile
-
-    if path is None:
-        return
-    try:  # best effort: a read-only home or a full disk only costs the next export the derivation
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(entry, fh)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+def _write_cached(key: str, answer: dict) -> None:
+    write_answer("hub-layout", key, answer)
 
 
 def _derive(config_dir: str, model_type, shapes: Dict[str, Tuple[int, ...]], aliases: Dict[str, str]) -> dict:
     """Ask transformers (a meta model of the config's family): ``{"renames": {stored: kept name},
     "layout": [[name, source, shape, offset], ...] or None (unchanged), "note": str or None}``.
     Raises :class:`LayoutError` for a conversion that is refused."""
-    model = _model_for(config_dir, model_type)
+    from .config_fit import bounded_build, check_fits
+
+    with bounded_build(config_dir, shapes):  # a config.json far larger than the checkpoint is refused, not built
+        model = _model_for(config_dir, model_type)
     if model is None:
         return {"renames": {}, "layout": None,
                 "note": f"config.json's model (type {model_type!r}) cannot be built by the installed transformers "
                         "and has no registered save-time conversion: names written as trained"}
     renames = tied_renames(model, aliases)
     shapes = {renames.get(n, n): s for n, s in shapes.items()}
+    check_fits(model, shapes, config_dir)  # so a cached entry also says config.json fits these tensors
     layout = hub_layout(shapes, model)
     return {"renames": renames, "note": None,
             "layout": None if layout is None else [[h.name, h.source, list(h.shape), h.offset] for h in layout]}
 
 
-def convert_plan(plan) -> None:
+def convert_plan(plan, *, use_cache: bool = True) -> None:
     """Rewrite ``plan.tensors`` (already without tied aliases) into the Hub layout in place: renamed,
     fused tensors split into byte ranges (:meth:`~..plan.TensorPlan.narrowed`), in save_pretrained's
     order; ``plan.conversions`` says what was done. Needs ``plan.config_dir``. The answer transformers
-    gives is cached (:func:`_layout_cache_path`); a cached layout is re-checked like a fresh one."""
+    gives is cached (:func:`_read_cached`, :func:`_write_cached`) unless ``use_cache`` is false
+    (``verify`` derives it afresh, so a wrong entry can never make it agree with an export)."""
     import dataclasses
 
     from ..guards import read_config
@@ -339,11 +313,12 @@ def convert_plan(plan) -> None:
     cfg = read_config(plan.config_dir)
     model_type = cfg.get("model_type")
     shapes = {t.name: tuple(t.shape) for t in plan.tensors}
-    cache = _layout_cache_path(cfg, shapes, plan.aliases)
-    entry = _read_cached(cache, shapes, plan.aliases)
+    key = _layout_cache_key(cfg, shapes, plan.aliases)
+    entry = _read_cached(key, shapes, plan.aliases) if use_cache else None
     if entry is None:
         entry = _derive(plan.config_dir, model_type, shapes, plan.aliases)
-        _write_cached(cache, entry)
+        if use_cache:
+            _write_cached(key, entry)
     if entry["note"]:
         plan.notes.append(entry["note"])
     renames = entry["renames"]

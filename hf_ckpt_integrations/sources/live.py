@@ -41,7 +41,8 @@ import contextlib
 import math
 from typing import List, Optional
 
-from ..formats.dtypes import from_torch, from_user as dtype_from_name, to_torch
+from ..dtype_rule import keep_fp32_of_model, output_dtype, request
+from ..formats.dtypes import from_torch, to_torch
 from ..plan import LivePiece, TensorPlan
 
 __all__ = ["live_tensors", "reads_are_collective", "own_bytes"]
@@ -88,15 +89,17 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> List[Te
 
     Each is a :class:`~..plan.TensorPlan` (kind ``"live"``) with one :class:`~..plan.LivePiece`.
     ``dtype``: ``None`` keeps each tensor's training dtype; ``"fp32"``/``"bf16"``/``"fp16"`` casts
-    floating tensors (one tensor at a time). Every rank must call it and get the same list.
+    floating tensors (one tensor at a time), except those the model class keeps in fp32 for that
+    dtype (:mod:`..dtype_rule`; upcast from what the live model holds). Every rank must call it and
+    get the same list.
     Raises :class:`~..errors.LayoutError` where transformers' save-time conversion is not a split
     along the leading dims.
 
     ``select``: ``name -> output name or None``: only the tensors it names, under those names, and no
     Hub-layout conversion (a PEFT adapter, :mod:`.peft`); the others are never read (or gathered).
     """
-    st_target = dtype_from_name(dtype)
-    cast = to_torch(st_target) if st_target else None
+    requested = request(dtype)
+    keep = keep_fp32_of_model(module) if select is None else None  # an adapter is saved as trained
     state = module.state_dict(keep_vars=True)
     if select is not None:
         state = {n: t for n, t in state.items() if select(n) is not None}
@@ -116,8 +119,8 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> List[Te
             aliases[name] = seen[key]
             continue  # tied: written once, under the first name (or the one save_pretrained keeps)
         seen[key] = name
-        floating = t.is_floating_point()
-        out_dtype = st_target if (st_target and floating) else from_torch(t.dtype)
+        out_dtype = output_dtype(name, from_torch(t.dtype), requested, keep)
+        cast = to_torch(out_dtype) if t.is_floating_point() else None
         owner = owners.get(name.rpartition(".")[0])
         if getattr(t, "ds_is_replaced_module", False):
             shape, read = _autotp_reader(name, t, owner, cast)

@@ -62,8 +62,9 @@ def tie_embeddings(plan: ExportPlan) -> None:
     if len(embeds) != 1:
         return
     emb = embeds[0]
-    if len(emb.parts) == 1 and len(head.parts) == 1:
-        emb.replicas.append([p for p in head.parts[0]])
+    # Checked bitwise against the embedding in whatever chunk layout each has (1-D rows, 2-D blocks...):
+    # save_pretrained writes the embedding alone, so a head that differs would be lost silently.
+    emb.tied_copies.append((head.name, head.placement()))
     plan.tensors = [t for t in plan.tensors if t is not head]
     plan.aliases[head.name] = emb.name
     plan.notes.append(f"config.json ties the word embeddings: {head.name} written once, as {emb.name}")

@@ -17,7 +17,8 @@ A **source** is a module of this package (``sources/<name>.py``) exposing:
 :func:`build_plan` asks the sources of :data:`SOURCES` in order and runs the shared passes on
 the plan of the first that claims the path: config discovery, the PEFT adapter pass
 (:mod:`.peft`: a checkpoint of a ``PeftModel`` becomes its adapter directory), tied aliases, the
-Hub-layout conversion, the output dtype decision and :func:`~..plan.check_plan`. Adding a source is one
+Hub-layout conversion, the output dtype decision (:mod:`..dtype_rule`, with the model class's
+fp32-kept modules for a 16-bit export) and :func:`~..plan.check_plan`. Adding a source is one
 module and one line in :data:`SOURCES` (docs/architecture.md, "Adding a source").
 """
 
@@ -28,6 +29,7 @@ from ..errors import CheckpointError
 from ..formats.names import CONFIG_NAME
 from ..plan import ExportPlan, check_plan, decide_dtypes
 from . import dcp, deepspeed, hf_dir, hub_layout, peft, universal
+from .fp32_modules import keep_for_plan
 from .passes import drop_tied_aliases, find_config_dir, tie_embeddings
 
 __all__ = ["SOURCES", "find_source", "plan_with"]
@@ -53,8 +55,9 @@ def find_source(path: str, tag: Optional[str] = None):
 
 
 def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None,
-              config: Optional[str] = None, tp_rules=None) -> ExportPlan:
-    """``source``'s plan of ``path`` with the shared passes applied (see the module doc)."""
+              config: Optional[str] = None, tp_rules=None, layout_cache: bool = True) -> ExportPlan:
+    """``source``'s plan of ``path`` with the shared passes applied (see the module doc);
+    ``layout_cache``: whether the Hub-layout pass may answer from its cache."""
     adapter_config = None
     if config is not None and peft.is_adapter_config_dir(config):
         adapter_config, config = config, None  # --config names a PEFT adapter's directory
@@ -72,7 +75,7 @@ def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[s
         if getattr(source, "TIED_UNDER_BOTH_NAMES", False):
             tie_embeddings(plan)
         drop_tied_aliases(plan)
-        hub_layout.convert_plan(plan)
-    decide_dtypes(plan, dtype)
+        hub_layout.convert_plan(plan, use_cache=layout_cache)
+    decide_dtypes(plan, dtype, keep_for_plan(plan, dtype))
     check_plan(plan)
     return plan

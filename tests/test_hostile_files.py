@@ -1,14 +1,12 @@
-"""Issue 13, classes 2 and 3: nothing silently wrong, no resource exhaustion from tiny files.
+"""Hostile files: nothing silently wrong, no code run, no resource exhaustion from tiny files.
 
-Class 2: rank files out of place that ``param_slice_mappings`` cannot tell apart, two files
-claiming one rank, tensor views reaching outside their storage or into another archive's
-entries, tensor names/shapes safetensors cannot load, shards safetensors refuses, flipped bits
-in a partition. Class 3: hostile pickles (a tuple nested a million deep, tuple and list DAGs
-that double at every level, cycles) and a rank number of 10^12 in a file name.
-
-Hostile files are built by hand (a few hundred bytes of pickle in a zip made with ``zipfile``)
-and the real CLI runs on them in a subprocess under an address-space cap and a time limit
-(what a hang or a runaway allocation would hit): exit 2 and one ``error:`` line.
+Hand-built torch zips (a few hundred bytes of pickle in a zip made with ``zipfile``) reaching outside
+their storage or into another archive, tensor names and shapes safetensors cannot load, hostile pickles
+(a tuple nested a million deep, tuple and list DAGs that double at every level, cycles), a rank number of
+10^12, two files claiming one rank, shards safetensors refuses, a flipped bit in a partition; each of
+the unpickler's budgets at its limit and one past it. The real CLI runs in a subprocess under an
+address-space cap and a time limit (what a hang or a runaway allocation would hit): exit 2 and one
+``error:`` line.
 """
 
 import collections
@@ -16,6 +14,7 @@ import io
 import json
 import os
 import pickle
+import pickletools
 import resource
 import shutil
 import struct
@@ -27,10 +26,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, assert_refused, export_refused as _export_refused
+from helpers import REPO, assert_refused
+from helpers import export_refused as _export_refused
+
+from hf_ckpt_integrations.errors import CheckpointError
+from hf_ckpt_integrations.formats import torch_files, unpickler
+
 
 TAG = "global_step2"
+
+
 MEMORY_CAP = 3 * 2**30  # address space of one CLI run (torch imported by verify needs ~1.5 GB)
+
+
 RUN_TIMEOUT_S = 120  # a run past this is a hang (a correct refusal takes about a second)
 
 
@@ -285,15 +293,6 @@ def test_check_plan_on_synthetic_plans():
             check_plan(bad)
 
 
-# ---------------------------------------------------------------- class 2: rank files out of place
-
-@pytest.fixture
-def z2(engine_ckpt, tmp_path):
-    case = engine_ckpt("z2-fp32")
-    shutil.copytree(case / "ckpt", tmp_path / "src")
-    return tmp_path / "src", case / "config"
-
-
 def _optim(src, rank, prefix=""):
     return Path(src) / TAG / f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
@@ -435,3 +434,116 @@ def test_sample_cast_matches_torch():
         want = torch.cat([values, edges]).to(dtype).view(torch.int16).numpy().tobytes()
         assert b"".join(cast_bytes(raw[i:i + 4], "F32", name) for i in range(0, len(raw), 4)) == want, name
         assert cast_bytes(raw, "F32", name) == want, name
+
+
+# ---------------------------------------------------------------- the unpickler's budgets
+
+def _reason(err, path) -> str:
+    text = str(err)
+    assert text.startswith(f"{path}: "), text
+    return text[len(f"{path}: "):]
+
+
+# Each budget patched small; the same file passes at the limit and is refused one below it, naming
+# that budget (a budget dropped, or its comparison off by one, fails here).
+
+def _write(tmp_path, obj_or_bytes, name="meta.pkl"):
+    p = tmp_path / name
+    p.write_bytes(obj_or_bytes if isinstance(obj_or_bytes, bytes) else pickle.dumps(obj_or_bytes, protocol=2))
+    return p
+
+
+def _loads(p):
+    return unpickler.load_pickle(p, allowed={})
+
+
+def test_opcode_budget(tmp_path, monkeypatch):
+    p = _write(tmp_path, list(range(50)))
+    ops = sum(1 for _ in pickletools.genops(p.read_bytes()))
+    monkeypatch.setattr(unpickler, "MAX_OPS", ops)
+    assert _loads(p) == list(range(50))
+    monkeypatch.setattr(unpickler, "MAX_OPS", ops - 1)
+    with pytest.raises(CheckpointError) as e:
+        _loads(p)
+    assert _reason(e.value, p).startswith(f"its pickle runs past {ops - 1} operations"), str(e.value)
+
+
+def test_node_budget(tmp_path, monkeypatch):
+    p = _write(tmp_path, {"a": [0] * 20, "b": (1, 2)})  # 1 dict + 2 keys + 2 values + 20 + 2 atoms
+    monkeypatch.setattr(unpickler, "MAX_NODES", 27)
+    assert _loads(p)["b"] == (1, 2)
+    monkeypatch.setattr(unpickler, "MAX_NODES", 26)
+    with pytest.raises(CheckpointError) as e:
+        _loads(p)
+    assert _reason(e.value, p).startswith("its pickle describes over 26 objects"), str(e.value)
+
+
+def test_shared_nodes_count_each_time_they_are_reached(tmp_path, monkeypatch):
+    x = [0] * 10
+    p = _write(tmp_path, [x, x, x])  # 1 + 3 + 30 when walked, 1 + 1 + 10 stored
+    monkeypatch.setattr(unpickler, "MAX_NODES", 34)
+    assert _loads(p) == [x, x, x]
+    monkeypatch.setattr(unpickler, "MAX_NODES", 33)
+    with pytest.raises(CheckpointError, match="describes over 33 objects"):
+        _loads(p)
+
+
+def test_depth_budget(tmp_path, monkeypatch):
+    deep = 0
+    for _ in range(6):
+        deep = [deep]  # 6 lists around an int: the int sits 6 levels below the top
+    p = _write(tmp_path, deep)
+    monkeypatch.setattr(unpickler, "MAX_DEPTH", 6)
+    assert _loads(p) == deep
+    monkeypatch.setattr(unpickler, "MAX_DEPTH", 5)
+    with pytest.raises(CheckpointError) as e:
+        _loads(p)
+    assert _reason(e.value, p).startswith("its pickle nests deeper than 5 levels"), str(e.value)
+
+
+def test_pickle_size_budget_of_a_plain_pickle(tmp_path, monkeypatch):
+    p = _write(tmp_path, {"w": "x" * 100})
+    size = p.stat().st_size
+    monkeypatch.setattr(unpickler, "MAX_PICKLE_BYTES", size)
+    assert _loads(p) == {"w": "x" * 100}
+    monkeypatch.setattr(unpickler, "MAX_PICKLE_BYTES", size - 1)
+    with pytest.raises(CheckpointError) as e:
+        _loads(p)
+    assert _reason(e.value, p).startswith(f"over {size - 1} bytes; no checkpoint's metadata is that large"), \
+        str(e.value)
+
+
+def test_pickle_size_budget_inside_a_torch_file(tmp_path, monkeypatch):
+    p = tmp_path / "w.pt"
+    torch.save({"w": torch.zeros(3), "note": "x" * 100}, p)
+    import zipfile
+
+    with zipfile.ZipFile(p) as zf:
+        size = next(i.file_size for i in zf.infolist() if i.filename.endswith("data.pkl"))
+    monkeypatch.setattr(torch_files, "MAX_PICKLE_BYTES", size)
+    assert torch_files.load(p)["note"] == "x" * 100
+    monkeypatch.setattr(torch_files, "MAX_PICKLE_BYTES", size - 1)
+    with pytest.raises(CheckpointError) as e:
+        torch_files.load(p)
+    assert _reason(e.value, p).startswith(f"its pickle is {size} bytes (over {size - 1})"), str(e.value)
+
+
+def test_dimension_budget(tmp_path, monkeypatch):
+    p = tmp_path / "w.pt"
+    torch.save({"w": torch.zeros(1, 2, 1, 2)}, p)
+    monkeypatch.setattr(torch_files, "MAX_NDIM", 4)
+    assert torch_files.load(p)["w"].shape == (1, 2, 1, 2)
+    monkeypatch.setattr(torch_files, "MAX_NDIM", 3)
+    with pytest.raises(CheckpointError) as e:
+        torch_files.load(p)
+    assert "tensor shape is not a list of at most 3 integers" in _reason(e.value, p), str(e.value)
+
+
+def test_dict_key_budget(tmp_path, monkeypatch):
+    p = _write(tmp_path, {(1, 2, 3): "v"})
+    monkeypatch.setattr(unpickler, "_MAX_KEY_LEN", 3)
+    assert _loads(p) == {(1, 2, 3): "v"}
+    monkeypatch.setattr(unpickler, "_MAX_KEY_LEN", 2)
+    with pytest.raises(CheckpointError) as e:
+        _loads(p)
+    assert _reason(e.value, p).startswith("a dict key or set element of type tuple"), str(e.value)
