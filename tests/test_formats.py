@@ -118,9 +118,10 @@ def test_names_and_index(tmp_path):
     assert json.loads(open(path).read()) == {"metadata": {"total_size": 10}, "weight_map": {"a": "f1", "b": "f2"}}
     assert names.read_index(path) == {"a": "f1", "b": "f2"}
     assert names.weight_names(tmp_path) == ("safetensors", names.SAFETENSORS_INDEX, ["f1", "f2"])
-    names.write_index(tmp_path, {"a": "../f1"}, total_size=10)
+    (tmp_path / "bad").mkdir()  # an index is only ever written as a new file
+    bad = names.write_index(tmp_path / "bad", {"a": "../f1"}, total_size=10)
     with pytest.raises(CheckpointError, match="not a file name"):
-        names.read_index(path)
+        names.read_index(bad)
     assert names.SAVED_WEIGHTS_RE.match("model-00001-of-00002.safetensors")
     assert not names.SAVED_WEIGHTS_RE.match("optimizer.pt")
     assert names.WEIGHT_FILES_RE.match("pytorch_model-00001.bin")  # ColossalAI's own numbering
