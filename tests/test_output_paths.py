@@ -227,9 +227,13 @@ def test_destination_is_the_config_directory(case, tmp_path, kind):
 
 
 def test_destination_inside_the_base_model_is_refused(tmp_path):
-    src, cfg, base = _peft_dirs(tmp_path)
+    """A base whose config.json fits its weights (the config-fit check passes), so the refusal is the
+    destination guard's."""
+    from tiny_adapters import build
+
+    base, src, _ = build(tmp_path)
     digest = tree_digest(base)
-    assert_refused(hf_ckpt("export", src, base / "merged", "--config", cfg, "--merge-adapters", "--base", base),
+    assert_refused(hf_ckpt("export", src, base / "merged", "--config", src, "--merge-adapters", "--base", base),
                    match=("lies inside", str(base)), dst=base / "merged")
     assert tree_digest(base) == digest
 
