@@ -54,13 +54,13 @@ WHAT_THE_CURVE_SHOWED = """### What the curve showed, and what was fixed
   module tensors (zip entries), and the plan opened all of them to look for frozen-parameter
   fragments even when `frozen_param_shapes` was empty: 64 ranks took 5.0 s to plan (3.6 s of it
   those files), and the cost was files × tensors. Now only rank 0's file is read unless it
-  records frozen parameters (`sources/deepspeed.py`, `_plan_zero3_frozen`): 64 ranks 0.36 s.
+  records frozen parameters (`sources/deepspeed/zero3.py`, `plan_zero3_frozen`): 64 ranks 0.36 s.
 - **Per-piece work.** A ZeRO-3 tensor is one piece per rank that holds part of it, so the plan has
   tensors × ranks pieces (503,872 at 1,024 ranks) — inherent, it is the list of byte ranges to
   copy. Each piece went through the general segment walker with its bounds checks; with one
   contiguous flat buffer per rank (what DeepSpeed writes) a piece is now one addition, the bounds
   already proven by `zero3_fragments`, which itself now walks only the ranks that hold a
-  parameter's elements (`layout.py`), not every rank for every parameter.
+  parameter's elements (`sources/deepspeed/partitions.py`), not every rank for every parameter.
 - What remains is linear: reading one optimizer file per rank (its zip directory and pickle, a
   few ms each) plus a constant per piece. ZeRO-1/2 have one piece per tensor plus one per
   partition boundary, so their plan hardly grows with the rank count.

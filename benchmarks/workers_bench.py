@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hf_ckpt_integrations.safe_load import MappedFiles  # noqa: E402
+from hf_ckpt_integrations.mapped_files import MappedFiles  # noqa: E402
 from hf_ckpt_integrations.sources import build_plan  # noqa: E402
 from hf_ckpt_integrations.writer import plan_tensors, split_shards, write_shard  # noqa: E402
 

@@ -5,9 +5,8 @@ accelerate, ColossalAI) load on first use.
 """
 
 from .api import export_checkpoint, inspect_checkpoint, verify_checkpoint
+from ._version import __version__
 from .errors import CheckpointError, DestinationError, LayoutError, UnsafeCheckpointError
-
-__version__ = "0.1.0"
 
 __all__ = [
     "export_checkpoint",

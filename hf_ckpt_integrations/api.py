@@ -9,7 +9,8 @@ from .errors import OptionError
 from .formats.dtypes import from_user
 from .guards import bad_metadata_as_input
 from .verify import VerifyReport, verify_plan
-from .writer import MAX_SHARD_SIZE, check_max_shard_size, check_workers, write_plan
+from .export import write_plan
+from .writer import MAX_SHARD_SIZE, check_max_shard_size, check_workers
 
 __all__ = ["inspect_checkpoint", "export_checkpoint", "verify_checkpoint"]
 

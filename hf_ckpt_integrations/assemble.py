@@ -12,8 +12,8 @@ from typing import Iterator, NamedTuple
 
 from .errors import LayoutError
 from .formats.dtypes import FLOATS as FLOAT_DTYPES, SIZES as DTYPE_SIZES, to_torch as _torch_dtype
+from .mapped_files import MappedFiles
 from .plan import Piece, TensorPlan
-from .safe_load import MappedFiles
 
 __all__ = ["assemble_chunks", "iter_bytes", "torch_tensor", "check_replicas", "check_module_copy",
            "FileRange", "FLOAT_DTYPES"]

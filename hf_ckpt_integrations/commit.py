@@ -45,12 +45,12 @@ import signal
 import socket
 import stat
 import sys
-from typing import Dict, Iterable, List, Optional
+from typing import Iterable, List, Optional
 
 from .errors import DestinationError
 from .formats.names import SAVED_WEIGHTS_RE
 from .guards import check_destination, is_or_holds
-from .outfiles import NOFOLLOW, create_file, open_dir, open_new
+from .outfiles import NOFOLLOW, open_dir, open_new
 
 __all__ = ["CommitStrategy", "SiblingSwap", "MergeIntoCheckpoint", "DirLock", "fsync_path", "disk_error",
            "TMP_MARKER", "LOCK_SUFFIX", "STAGING_NAME", "weight_files", "OWNER_SUFFIX", "PACKAGE"]

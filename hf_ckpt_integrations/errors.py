@@ -5,12 +5,15 @@ Every message names the file (or tensor) and says what to do; the CLI prints it 
 that escapes is a bug: one ``error:`` line and :data:`EXIT_INTERNAL`.
 """
 
+import reprlib
+
 __all__ = [
     "EXIT_OK",
     "EXIT_DIFFERENT",
     "EXIT_BAD_INPUT",
     "EXIT_INTERNAL",
     "one_line",
+    "short_repr",
     "CheckpointError",
     "UnsafeCheckpointError",
     "LayoutError",
@@ -31,6 +34,15 @@ def one_line(text) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+
+
+def short_repr(value) -> str:
+    """``repr`` for a value read from a file, bounded in depth and length (a DAG's full repr is 2^N)."""
+    return _REPR.repr(value)
 
 
 class CheckpointError(Exception):

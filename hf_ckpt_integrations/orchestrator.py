@@ -1,6 +1,6 @@
 """The one writer orchestrator: every path that writes HF weights runs :func:`write`.
 
-Offline export (:func:`~.writer.write_plan`, one process), rank-parallel export
+Offline export (:func:`~.export.write_plan`, one process), rank-parallel export
 (:func:`~.parallel.write_plan_parallel`, under torchrun) and the save-time hooks
 (:func:`~.integrations._dist.write_distributed`) are thin front ends that build the tensors and
 a commit strategy (:mod:`.commit`) and call :func:`write`. Call order — every rank of ``comm``
@@ -220,7 +220,7 @@ def _write_local(tensors, assignment, staging, rank, world, fmt, collective, wor
                     if world == 1:
                         raise
                     text = (f"{e.strerror or e} (errno {e.errno}); check free space, quota and permissions"
-                            if isinstance(e, OSError) else _message(e))
+                            if isinstance(e, OSError) else failure_message(e))
                     error = f"writing {f}: {text}"
                     if tracked is not None:  # keep up the collective
                         tracked.drain_rest(ts)

@@ -15,7 +15,7 @@ that sets the ``torch.distributed`` env: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR
 4. otherwise rank 0 writes the index and config files and renames the directory into place,
    and broadcasts the outcome, so every rank returns the same report or raises.
 
-The bytes written are the ones :func:`~.writer.write_plan` writes in one process: same split,
+The bytes written are the ones :func:`~.export.write_plan` writes in one process: same split,
 same headers, same tensor bytes. Collectives go through ``torch.distributed`` (gloo is enough:
 only a few small objects travel; the data never leaves the file system).
 """
@@ -24,10 +24,11 @@ import os
 from typing import Optional
 
 from .comm import torchrun_comm
+from .export import export_finisher
+from .mapped_files import MappedFiles
 from .orchestrator import write
 from .plan import ExportPlan
-from .safe_load import MappedFiles
-from .writer import MAX_SHARD_SIZE, check_max_shard_size, export_finisher, export_strategy, plan_tensors
+from .writer import MAX_SHARD_SIZE, check_max_shard_size, export_strategy, plan_tensors
 
 __all__ = ["write_plan_parallel", "world_from_env"]
 
@@ -44,7 +45,7 @@ def write_plan_parallel(plan: Optional[ExportPlan], dst, *, dtype: Optional[str]
 
     Initializes the default process group from the torchrun environment (backend gloo) when none
     exists, and destroys it again before returning. Returns, on every rank, the report
-    :func:`~.writer.write_plan` returns plus ``world_size`` and ``shards_by_rank``. Raises
+    :func:`~.export.write_plan` returns plus ``world_size`` and ``shards_by_rank``. Raises
     :class:`~.errors.DestinationError` (rank 0's own check of ``dst``) or
     :class:`~.comm.WriteError` (failures collected from all ranks) on every rank; in both
     cases nothing is left at ``dst`` but what was there before.

@@ -199,7 +199,7 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
     is written then.
     """
     from .assemble import torch_tensor
-    from .safe_load import MappedFiles
+    from .mapped_files import MappedFiles
     from .sources import build_plan
     from .sources.peft import check_lora_config, pattern_budget, read_adapter_config
     from .commit import SiblingSwap

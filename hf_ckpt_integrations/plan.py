@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .formats.dtypes import FLOATS, SIZES, from_user as dtype_from_name
+from .formats.dtypes import FLOATS, SIZES
 
 __all__ = ["Piece", "LivePiece", "Chunk", "TensorPlan", "ExportPlan", "narrow_pieces", "check_tiling",
            "row_major_pieces", "parts_as_chunks", "check_plan", "decide_dtypes"]
@@ -461,8 +461,8 @@ def check_plan(plan: ExportPlan) -> None:
 
     Raises :class:`~.errors.LayoutError` naming the tensor.
     """
-    from .errors import LayoutError
-    from .safe_load import MAX_NDIM, short_repr
+    from .errors import LayoutError, short_repr
+    from .formats.dtypes import MAX_NDIM
 
     seen = set()
     for t in plan.tensors:

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from .assemble import check_module_copy, iter_bytes
+from .errors import short_repr
 from .formats.dtypes import SIZES as DTYPE_SIZES
 from .formats.names import (ADAPTER_BIN_NAME, ADAPTER_SAFETENSORS_NAME, BIN_INDEX, BIN_NAME, CONFIG_NAME,
                             SAFETENSORS_INDEX, SAFETENSORS_NAME)
 from .formats.safetensors import read_hf_dir  # re-exported: what verify reads the export with
-from .safe_load import MappedFiles, short_repr
+from .mapped_files import MappedFiles
 
 __all__ = ["VerifyReport", "read_hf_dir", "loaded_weights", "verify_plan"]
 
@@ -124,7 +125,7 @@ def _check_source_crc(plan, report) -> None:
     the checksum the zip recorded when torch saved it: a flipped bit in a partition is a difference."""
     import zipfile
 
-    from .safe_load import check_crc
+    from .formats.torch_files import check_crc
     from .sources import dcp
 
     ranges: Dict[str, List[Tuple[int, int]]] = {}

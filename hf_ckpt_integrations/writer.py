@@ -13,7 +13,9 @@ gives the call order; commit strategies are in :mod:`.commit`):
 3. :func:`write_index` and :func:`~.formats.config.write_config` (the config and tokenizer files)
    finish the directory.
 
-:func:`write_plan` is the offline front end: one process, :class:`~.commit.SiblingSwap`.
+The front ends that run it: :func:`~.export.write_plan` (offline, one process),
+:func:`~.parallel.write_plan_parallel` (under ``torchrun``), the save-time hooks
+(:mod:`.integrations`).
 """
 
 import errno
@@ -28,19 +30,18 @@ from .assemble import FileRange, iter_bytes
 from .commit import TMP_MARKER, SiblingSwap, disk_error
 from .errors import DestinationError, OptionError
 from .formats import names
-from .formats.config import write_config
 from .formats.dtypes import SIZES as DTYPE_SIZES, from_user as dtype_from_name
 from .formats.names import CONFIG_FILES, MAX_SHARD_SIZE, SAFETENSORS_INDEX as INDEX_NAME
 from .formats.names import SAFETENSORS_PATTERN as SAFETENSORS_FILENAME_PATTERN
 from .formats.safetensors import encode_header
 from .guards import copyable_problem
+from .mapped_files import MappedFiles
 from .outfiles import open_new
 from .plan import ExportPlan, decide_dtypes
-from .safe_load import MappedFiles
 
-__all__ = ["OutTensor", "split_shards", "shard_order", "write_shard", "write_index", "write_plan", "MAX_SHARD_SIZE", "SAFETENSORS_FILENAME_PATTERN", "INDEX_NAME",
-           "TMP_MARKER", "CONFIG_FILES", "check_max_shard_size", "check_workers", "plan_inputs", "export_strategy",
-           "disk_error", "export_finisher"]
+__all__ = ["OutTensor", "split_shards", "shard_order", "write_shard", "write_index", "MAX_SHARD_SIZE",
+           "SAFETENSORS_FILENAME_PATTERN", "INDEX_NAME", "TMP_MARKER", "CONFIG_FILES", "check_max_shard_size",
+           "check_workers", "plan_inputs", "export_strategy", "disk_error"]
 
 @dataclass
 class OutTensor:
@@ -224,46 +225,3 @@ def plan_tensors(plan: ExportPlan, dtype: Optional[str], files: MappedFiles, *, 
         d = t.out_dtype
         out.append(OutTensor(t.name, d, tuple(t.shape), lambda t=t, d=d: iter_bytes(t, d, files, ranges=ranges)))
     return out
-
-
-def write_plan(plan: ExportPlan, dst, *, dtype: Optional[str] = None, max_shard_size=MAX_SHARD_SIZE,
-               overwrite: bool = False, quiet: bool = False, workers: int = 1) -> dict:
-    """Write ``plan`` to ``dst`` in one process; return a report (files, bytes, seconds).
-
-    Runs the one writer (:func:`~.orchestrator.write`) with one rank and the
-    :class:`~.commit.SiblingSwap` strategy. ``workers`` > 1 writes that many shards at once from a
-    thread pool (file copies and fsyncs release the GIL; the bytes are identical to one worker's).
-
-    Raises :class:`DestinationError` when ``dst`` exists (without ``overwrite``), is or holds or lies
-    inside the source, or cannot be written; :class:`~.errors.OptionError` for a bad option; on any
-    failure nothing is left behind but what was at ``dst`` before. Config files that are not copied
-    (:func:`~.formats.config.copy_config_files`) are listed in the report's ``warnings``.
-    """
-    from .orchestrator import write
-
-    max_shard_size = check_max_shard_size(max_shard_size)
-    check_workers(workers)
-    strategy = export_strategy(dst, plan, overwrite=overwrite)
-    with MappedFiles() as files:
-        tensors = plan_tensors(plan, dtype, files, ranges=True)
-        report = write(tensors, strategy, max_shard_size=max_shard_size, finish=export_finisher(plan),
-                       fmt="adapter" if plan.adapter is not None else "safetensors",
-                       workers=workers, quiet=quiet, what=f"exporting into {dst}")
-    return _export_report(report)
-
-
-def export_finisher(plan: ExportPlan):
-    """The ``finish`` step of an export: the config and tokenizer files, with the dtype recorded."""
-    def finish(staging, tensors):
-        skipped: List[str] = []
-        if plan.adapter is not None:  # a PEFT adapter directory: its adapter_config.json, no model config
-            return {"config_files": copy_adapter_config(plan.adapter["config"], staging, skipped), "warnings": skipped}
-        copied = write_config(staging, config_dir=plan.config_dir, skipped=skipped,
-                              tensor_dtypes=[t.dtype for t in tensors])
-        return {"config_files": copied, "warnings": skipped}
-    return finish
-
-
-def _export_report(report: dict) -> dict:
-    keys = ("destination", "files", "shards", "tensor_bytes", "bytes_on_disk", "config_files", "warnings", "seconds")
-    return {k: report[k] for k in keys}

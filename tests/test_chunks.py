@@ -10,7 +10,7 @@ import pytest
 from hf_ckpt_integrations.assemble import assemble_chunks, iter_bytes
 from hf_ckpt_integrations.plan import (Chunk, ExportPlan, Piece, TensorPlan, check_plan, check_tiling,
                                        parts_as_chunks, row_major_pieces)
-from hf_ckpt_integrations.safe_load import MappedFiles
+from hf_ckpt_integrations.mapped_files import MappedFiles
 
 
 def _chunk(offsets, sizes, path="f", start=0):

@@ -16,8 +16,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 from dcp_build import grid, read_metadata, tiny_llama, write_dcp, write_metadata  # noqa: E402
 
-from hf_ckpt_integrations import safe_load  # noqa: E402
 from hf_ckpt_integrations.cli import main as cli_main  # noqa: E402
+from hf_ckpt_integrations.formats import torch_files  # noqa: E402
 from helpers import tree_digest  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def _early_archive_data(src):
     assert len(infos) > 2
     start, length = infos[0]
     path = src / "__0_0.distcp"
-    ref = safe_load.load(path, offset=start, length=length, allowed=safe_load.TORCH_TENSOR_ALLOWED)
+    ref = torch_files.load(path, offset=start, length=length, allowed=torch_files.TORCH_TENSOR_ALLOWED)
     return path, ref.byte_range()[0], start
 
 

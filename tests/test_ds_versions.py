@@ -18,7 +18,9 @@ import pytest
 
 from helpers import REPO, hf_ckpt, load_safetensors, tree_digest
 
-from hf_ckpt_integrations import cli, safe_load
+from hf_ckpt_integrations import cli
+from hf_ckpt_integrations.formats import unpickler
+from hf_ckpt_integrations.sources.deepspeed.allowlist import ALLOWED, load as load_rank_file
 from hf_ckpt_integrations.errors import UnsafeCheckpointError
 
 FIXTURES = REPO / "tests" / "fixtures" / "deepspeed"
@@ -69,7 +71,7 @@ def test_old_release_exports_bitwise(version, case, tmp_path, capsys):
 
 def test_palign_fixture_records_nonzero_gaps():
     # Otherwise 0.19.8-zero2-palign would test nothing that the back-to-back cases do not.
-    osd = safe_load.load(FIXTURES / "0.19.8" / "zero2-palign" / "ckpt" / "global_step2" /
+    osd = load_rank_file(FIXTURES / "0.19.8" / "zero2-palign" / "ckpt" / "global_step2" /
                          "zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
     assert any(osd["param_alignment_paddings"][0])
 
@@ -89,7 +91,7 @@ def test_protocol2_builtin_names_load(tmp_path):
     # What torch.save (protocol 2) writes for the set DeepSpeed 0.10-0.18 keep in model states.
     data = pickle.dumps({"sparse_tensor_module_names": {"a"}, "r": slice(1, 2)}, protocol=2)
     assert b"c__builtin__\nset" in data
-    got = safe_load.load(_torch_zip(tmp_path / "p2.pt", data))
+    got = load_rank_file(_torch_zip(tmp_path / "p2.pt", data))
     assert got == {"sparse_tensor_module_names": {"a"}, "r": slice(1, 2)}
 
 
@@ -98,7 +100,7 @@ def test_protocol2_builtin_names_load(tmp_path):
                                          ("copy_reg", "_reconstructor"), ("__builtin__", "reduce")])
 def test_protocol2_mapping_does_not_widen_allowlist(module, name, tmp_path):
     with pytest.raises(UnsafeCheckpointError, match="refused for safety"):
-        safe_load.load(_torch_zip(tmp_path / "evil.pt", _call(module, name)))
+        load_rank_file(_torch_zip(tmp_path / "evil.pt", _call(module, name)))
 
 
 def test_every_python2_name_maps_onto_the_same_decision(tmp_path):
@@ -107,10 +109,10 @@ def test_every_python2_name_maps_onto_the_same_decision(tmp_path):
     pairs += [((m, n), (_compat_pickle.IMPORT_MAPPING[m], n)) for m in ("__builtin__", "copy_reg")
               for n in ("set", "frozenset", "slice", "eval", "getattr", "object", "_reconstructor")]
     for (m2, n2), (m3, n3) in pairs:
-        allowed = n3 in safe_load._ALLOWED.get(m3, {})
+        allowed = n3 in ALLOWED.get(m3, {})
         data = b"\x80\x02" + f"c{m2}\n{n2}\n".encode() + b"."  # just the global
         try:
-            safe_load._Unpickler(data, "x.pt", {}).load()
+            unpickler.loads(data, path="x.pt", allowed=ALLOWED)
             accepted = True
         except UnsafeCheckpointError:
             accepted = False
@@ -120,8 +122,8 @@ def test_every_python2_name_maps_onto_the_same_decision(tmp_path):
 def test_protocol3_pickles_are_not_mapped(tmp_path):
     # pickle maps Python 2 names only below protocol 3; a newer pickle naming __builtin__ is refused.
     with pytest.raises(UnsafeCheckpointError, match="__builtin__.set"):
-        safe_load.load(_torch_zip(tmp_path / "p4.pt", _call("__builtin__", "set", proto=4)))
-    assert safe_load.load(_torch_zip(tmp_path / "ok.pt", pickle.dumps({1}, protocol=4))) == {1}
+        load_rank_file(_torch_zip(tmp_path / "p4.pt", _call("__builtin__", "set", proto=4)))
+    assert load_rank_file(_torch_zip(tmp_path / "ok.pt", pickle.dumps({1}, protocol=4))) == {1}
 
 
 def test_docs_table_matches_fixtures():

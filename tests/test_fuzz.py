@@ -30,7 +30,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hf_ckpt_integrations.cli import main as cli_main  # noqa: E402
-from hf_ckpt_integrations.safe_load import DTYPE_SIZES  # noqa: E402
+from hf_ckpt_integrations.formats.dtypes import SIZES as DTYPE_SIZES  # noqa: E402
 from hf_ckpt_integrations.sources import build_plan  # noqa: E402
 from hf_ckpt_integrations.verify import read_hf_dir  # noqa: E402
 

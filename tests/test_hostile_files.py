@@ -29,8 +29,8 @@ import torch
 from helpers import REPO, assert_refused
 from helpers import export_refused as _export_refused
 
-from hf_ckpt_integrations import safe_load
 from hf_ckpt_integrations.errors import CheckpointError
+from hf_ckpt_integrations.formats import torch_files, unpickler
 
 
 TAG = "global_step2"
@@ -221,18 +221,18 @@ def test_rank_number_of_a_trillion(z2, tmp_path):
 
 def test_unpickler_budgets_in_process():
     """The budgets themselves, without a subprocess: each hostile tree is refused quickly."""
-    from hf_ckpt_integrations import safe_load
+    from hf_ckpt_integrations.formats import torch_files, unpickler
     from hf_ckpt_integrations.errors import CheckpointError
 
     def load(pkl, tmp=Path(os.environ.get("TMPDIR", "/tmp"))):
         p = tmp / f"budget-{os.getpid()}.pt"
         try:
-            return safe_load.load(torch_zip(p, pkl))
+            return torch_files.load(torch_zip(p, pkl))
         finally:
             p.unlink()
 
     assert load(raw_pickle(b"}X\x01\x00\x00\x00wK\x01s")) == {"w": 1}
-    for pkl, match in [(deep_tuple(safe_load.MAX_DEPTH + 5), "nests deeper"),
+    for pkl, match in [(deep_tuple(unpickler.MAX_DEPTH + 5), "nests deeper"),
                        (raw_pickle(tuple_dag(40)), "objects"), (raw_pickle(list_dag(40)), "objects"),
                        (raw_pickle(b"}" + tuple_dag(3) + b"K\x01s"), "dict key"),
                        (raw_pickle(b"\x8f(" + tuple_dag(3) + b"\x90"), "set element"),
@@ -454,15 +454,15 @@ def _write(tmp_path, obj_or_bytes, name="meta.pkl"):
 
 
 def _loads(p):
-    return safe_load.loads(p, allowed={})
+    return unpickler.load_pickle(p, allowed={})
 
 
 def test_opcode_budget(tmp_path, monkeypatch):
     p = _write(tmp_path, list(range(50)))
     ops = sum(1 for _ in pickletools.genops(p.read_bytes()))
-    monkeypatch.setattr(safe_load, "MAX_OPS", ops)
+    monkeypatch.setattr(unpickler, "MAX_OPS", ops)
     assert _loads(p) == list(range(50))
-    monkeypatch.setattr(safe_load, "MAX_OPS", ops - 1)
+    monkeypatch.setattr(unpickler, "MAX_OPS", ops - 1)
     with pytest.raises(CheckpointError) as e:
         _loads(p)
     assert _reason(e.value, p).startswith(f"its pickle runs past {ops - 1} operations"), str(e.value)
@@ -470,9 +470,9 @@ def test_opcode_budget(tmp_path, monkeypatch):
 
 def test_node_budget(tmp_path, monkeypatch):
     p = _write(tmp_path, {"a": [0] * 20, "b": (1, 2)})  # 1 dict + 2 keys + 2 values + 20 + 2 atoms
-    monkeypatch.setattr(safe_load, "MAX_NODES", 27)
+    monkeypatch.setattr(unpickler, "MAX_NODES", 27)
     assert _loads(p)["b"] == (1, 2)
-    monkeypatch.setattr(safe_load, "MAX_NODES", 26)
+    monkeypatch.setattr(unpickler, "MAX_NODES", 26)
     with pytest.raises(CheckpointError) as e:
         _loads(p)
     assert _reason(e.value, p).startswith("its pickle describes over 26 objects"), str(e.value)
@@ -481,9 +481,9 @@ def test_node_budget(tmp_path, monkeypatch):
 def test_shared_nodes_count_each_time_they_are_reached(tmp_path, monkeypatch):
     x = [0] * 10
     p = _write(tmp_path, [x, x, x])  # 1 + 3 + 30 when walked, 1 + 1 + 10 stored
-    monkeypatch.setattr(safe_load, "MAX_NODES", 34)
+    monkeypatch.setattr(unpickler, "MAX_NODES", 34)
     assert _loads(p) == [x, x, x]
-    monkeypatch.setattr(safe_load, "MAX_NODES", 33)
+    monkeypatch.setattr(unpickler, "MAX_NODES", 33)
     with pytest.raises(CheckpointError, match="describes over 33 objects"):
         _loads(p)
 
@@ -493,9 +493,9 @@ def test_depth_budget(tmp_path, monkeypatch):
     for _ in range(6):
         deep = [deep]  # 6 lists around an int: the int sits 6 levels below the top
     p = _write(tmp_path, deep)
-    monkeypatch.setattr(safe_load, "MAX_DEPTH", 6)
+    monkeypatch.setattr(unpickler, "MAX_DEPTH", 6)
     assert _loads(p) == deep
-    monkeypatch.setattr(safe_load, "MAX_DEPTH", 5)
+    monkeypatch.setattr(unpickler, "MAX_DEPTH", 5)
     with pytest.raises(CheckpointError) as e:
         _loads(p)
     assert _reason(e.value, p).startswith("its pickle nests deeper than 5 levels"), str(e.value)
@@ -504,9 +504,9 @@ def test_depth_budget(tmp_path, monkeypatch):
 def test_pickle_size_budget_of_a_plain_pickle(tmp_path, monkeypatch):
     p = _write(tmp_path, {"w": "x" * 100})
     size = p.stat().st_size
-    monkeypatch.setattr(safe_load, "MAX_PICKLE_BYTES", size)
+    monkeypatch.setattr(unpickler, "MAX_PICKLE_BYTES", size)
     assert _loads(p) == {"w": "x" * 100}
-    monkeypatch.setattr(safe_load, "MAX_PICKLE_BYTES", size - 1)
+    monkeypatch.setattr(unpickler, "MAX_PICKLE_BYTES", size - 1)
     with pytest.raises(CheckpointError) as e:
         _loads(p)
     assert _reason(e.value, p).startswith(f"over {size - 1} bytes; no checkpoint's metadata is that large"), \
@@ -520,30 +520,30 @@ def test_pickle_size_budget_inside_a_torch_file(tmp_path, monkeypatch):
 
     with zipfile.ZipFile(p) as zf:
         size = next(i.file_size for i in zf.infolist() if i.filename.endswith("data.pkl"))
-    monkeypatch.setattr(safe_load, "MAX_PICKLE_BYTES", size)
-    assert safe_load.load(p)["note"] == "x" * 100
-    monkeypatch.setattr(safe_load, "MAX_PICKLE_BYTES", size - 1)
+    monkeypatch.setattr(torch_files, "MAX_PICKLE_BYTES", size)
+    assert torch_files.load(p)["note"] == "x" * 100
+    monkeypatch.setattr(torch_files, "MAX_PICKLE_BYTES", size - 1)
     with pytest.raises(CheckpointError) as e:
-        safe_load.load(p)
+        torch_files.load(p)
     assert _reason(e.value, p).startswith(f"its pickle is {size} bytes (over {size - 1})"), str(e.value)
 
 
 def test_dimension_budget(tmp_path, monkeypatch):
     p = tmp_path / "w.pt"
     torch.save({"w": torch.zeros(1, 2, 1, 2)}, p)
-    monkeypatch.setattr(safe_load, "MAX_NDIM", 4)
-    assert safe_load.load(p)["w"].shape == (1, 2, 1, 2)
-    monkeypatch.setattr(safe_load, "MAX_NDIM", 3)
+    monkeypatch.setattr(torch_files, "MAX_NDIM", 4)
+    assert torch_files.load(p)["w"].shape == (1, 2, 1, 2)
+    monkeypatch.setattr(torch_files, "MAX_NDIM", 3)
     with pytest.raises(CheckpointError) as e:
-        safe_load.load(p)
+        torch_files.load(p)
     assert "tensor shape is not a list of at most 3 integers" in _reason(e.value, p), str(e.value)
 
 
 def test_dict_key_budget(tmp_path, monkeypatch):
     p = _write(tmp_path, {(1, 2, 3): "v"})
-    monkeypatch.setattr(safe_load, "_MAX_KEY_LEN", 3)
+    monkeypatch.setattr(unpickler, "_MAX_KEY_LEN", 3)
     assert _loads(p) == {(1, 2, 3): "v"}
-    monkeypatch.setattr(safe_load, "_MAX_KEY_LEN", 2)
+    monkeypatch.setattr(unpickler, "_MAX_KEY_LEN", 2)
     with pytest.raises(CheckpointError) as e:
         _loads(p)
     assert _reason(e.value, p).startswith("a dict key or set element of type tuple"), str(e.value)

@@ -7,7 +7,7 @@ import torch
 from hf_ckpt_integrations.assemble import torch_tensor
 from hf_ckpt_integrations.errors import LayoutError
 from hf_ckpt_integrations.plan import Piece, TensorPlan, narrow_pieces
-from hf_ckpt_integrations.safe_load import MappedFiles
+from hf_ckpt_integrations.mapped_files import MappedFiles
 from hf_ckpt_integrations.sources.hub_layout import hub_layout, meta_model
 
 transformers = pytest.importorskip("transformers")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hf_ckpt_integrations.sources import layout
+from hf_ckpt_integrations.sources.deepspeed import partitions as layout
 
 
 def test_zero12_params_straddle_partitions():

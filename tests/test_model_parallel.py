@@ -6,7 +6,8 @@ import shutil
 import pytest
 import torch
 
-from hf_ckpt_integrations import export_checkpoint, inspect_checkpoint, safe_load
+from hf_ckpt_integrations import export_checkpoint, inspect_checkpoint
+from hf_ckpt_integrations.sources.deepspeed.allowlist import load as load_rank_file
 from helpers import export_refused, hf_ckpt, load_safetensors
 
 pytestmark = pytest.mark.engine
@@ -76,7 +77,7 @@ def test_corrupted_replica_refused_naming_file_and_tensor(engine_ckpt, tmp_path)
     case = engine_ckpt("replica-z2")
     src, tag = _copy(case, tmp_path)
     victim = tag / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
-    part = safe_load.load(victim)["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+    part = load_rank_file(victim)["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
     offset, nbytes = part.byte_range()
     data = bytearray(victim.read_bytes())
     data[offset + 4 * 10] ^= 0x40  # element 10 of the flat partition: model.embed_tokens.weight

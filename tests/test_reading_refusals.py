@@ -19,8 +19,9 @@ from helpers import assert_refused, export_refused, hf_ckpt, tree_digest
 from conftest import SECRET
 
 
-from hf_ckpt_integrations import api, safe_load
+from hf_ckpt_integrations import api
 from hf_ckpt_integrations.errors import CheckpointError, LayoutError
+from hf_ckpt_integrations.sources.deepspeed.allowlist import load as load_rank_file
 
 def _reason(err, path) -> str:
     text = str(err)
@@ -33,7 +34,7 @@ def _reason(err, path) -> str:
 def _partition(src, rank):
     """(file, byte offset, nbytes) of the fp32 flat partition of rank ``rank`` (its whole storage)."""
     f = src / "global_step2" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-    ref = safe_load.load(f)["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+    ref = load_rank_file(f)["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
     return f, ref.storage.offset, ref.storage.numel * ref.itemsize
 
 

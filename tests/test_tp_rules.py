@@ -6,7 +6,7 @@ import torch
 from hf_ckpt_integrations.assemble import check_replicas, torch_tensor
 from hf_ckpt_integrations.errors import LayoutError
 from hf_ckpt_integrations.plan import Piece, TensorPlan
-from hf_ckpt_integrations.safe_load import MappedFiles
+from hf_ckpt_integrations.mapped_files import MappedFiles
 from hf_ckpt_integrations.sources import tp_rules
 
 INFO = {  # the shape of what DeepSpeed AutoTP records

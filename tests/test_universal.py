@@ -5,7 +5,8 @@ import json
 import pytest
 
 from conftest import ENGINES, torchrun
-from hf_ckpt_integrations import export_checkpoint, safe_load
+from hf_ckpt_integrations import export_checkpoint
+from hf_ckpt_integrations.sources.deepspeed.allowlist import load as load_rank_file
 from hf_ckpt_integrations.integrations.deepspeed import derive_universal_checkpoint_info
 from hf_ckpt_integrations.sources.tp_rules import hf_plans_for
 from helpers import hf_ckpt
@@ -52,7 +53,7 @@ def test_derived_info_classifies_like_autotp(engine_ckpt):
     """Our record, derived from shapes and the HF tp plan, sorts every parameter of AutoTP's own
     split into the same category as the record DeepSpeed's AutoTP wrote."""
     case = engine_ckpt("autotp-z1")
-    states = safe_load.load(case / "ckpt" / "global_step2" / "mp_rank_00_model_states.pt")
+    states = load_rank_file(case / "ckpt" / "global_step2" / "mp_rank_00_model_states.pt")
     autotp = states["universal_checkpoint_info"]
     local = {n: tuple(s) for g in states["param_shapes"] for n, s in g.items()}
     plans, full, embeddings = hf_plans_for(str(case / "config"))

@@ -11,13 +11,16 @@ from typing import Optional
 
 from ..errors import OptionError
 
-__all__ = ["SIZES", "FLOATS", "TORCH_NAMES", "STORAGE_CLASSES", "USER_NAMES", "CONFIG_NAMES", "NUMPY_BITS",
+__all__ = ["SIZES", "FLOATS", "MAX_NDIM", "TORCH_NAMES", "STORAGE_CLASSES", "USER_NAMES", "CONFIG_NAMES",
+           "NUMPY_BITS",
            "itemsize", "is_float", "from_user", "to_user", "from_torch", "to_torch", "config_name",
            "training_dtype"]
 
 # safetensors name -> bytes per element (safetensors' own ``Dtype::size``), for the dtypes read here.
 SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 FLOATS = frozenset({"F64", "F32", "F16", "BF16"})
+# The most dimensions a tensor may have (torch's own limit): a shape read from any file is refused beyond it.
+MAX_NDIM = 64
 # safetensors name -> torch dtype name (``torch.<name>``; also the pickled ``torch.<name>`` global).
 TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}

@@ -98,7 +98,7 @@ def consolidate(checkpoint_dir, dst, *, what: str, tag: Optional[str] = None, dt
     plan's config files copied when ``copy_config``). Returns :func:`write_distributed`'s report, or
     ``None`` when kept (nothing written). Raises the same :class:`~..comm.WriteError` on every rank
     when any rank failed (with one process: the error itself)."""
-    from ..safe_load import MappedFiles
+    from ..mapped_files import MappedFiles
     from ..sources import build_plan
     from ..writer import plan_tensors
 

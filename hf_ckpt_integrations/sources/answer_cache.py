@@ -29,7 +29,7 @@ def cache_key(kind: str, inputs: Any) -> str:
     releases and the JSON-able ``inputs``."""
     import importlib.metadata as md
 
-    from .. import __version__
+    from .._version import __version__
 
     text = json.dumps([kind, __version__, md.version("transformers"), inputs], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()

@@ -2,7 +2,7 @@
 
 ``torch.save`` writes each tensor's whole storage, so a shard of views into a flat buffer is N
 times too large. :func:`audit` measures it in files already written, reading headers and pickles
-only (:mod:`..safe_load`; no torch, nothing executed). The HF-directory source reports it in its
+only (:mod:`..formats.torch_files`; no torch, nothing executed). The HF-directory source reports it in its
 plan's notes; :mod:`..lean` cures it at save time.
 """
 
@@ -10,10 +10,10 @@ import os
 import zipfile
 from typing import List
 
-from .. import safe_load
 from ..formats.dtypes import SIZES
 from ..formats.names import WEIGHT_FILES_RE
 from ..formats.safetensors import read_header
+from ..formats.torch_files import TensorRef, load as load_torch_file
 
 __all__ = ["audit"]
 
@@ -26,11 +26,11 @@ def _audit_safetensors(path) -> dict:
 
 
 def _audit_torch_zip(path) -> dict:
-    obj = safe_load.load(path)
-    refs: List[safe_load.TensorRef] = []
+    obj = load_torch_file(path)
+    refs: List[TensorRef] = []
 
     def walk(o):
-        if isinstance(o, safe_load.TensorRef):
+        if isinstance(o, TensorRef):
             refs.append(o)
         elif isinstance(o, dict):
             for v in o.values():

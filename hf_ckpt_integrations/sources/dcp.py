@@ -11,8 +11,8 @@ length)``: bytes ``[offset, offset + length)`` of that ``.distcp`` file hold the
 state dict (``("model", "model.embed_tokens.weight")`` under Accelerate).
 
 Nothing here imports torch or runs the pickles: ``.metadata`` is read by
-:func:`~..safe_load.loads` with the allowlist :data:`ALLOWED` (the DCP dataclasses rebuilt as
-inert :class:`~..safe_load.Record` s), each chunk's archive by :func:`~..safe_load.load` over its
+:func:`~..formats.unpickler.load_pickle` with the allowlist :data:`ALLOWED` (the DCP dataclasses rebuilt as
+inert :class:`~..formats.unpickler.Record` s), each chunk's archive by :func:`~..formats.torch_files.load` over its
 byte range. Chunks become :class:`~..plan.Chunk` s placed by their N-D offsets (checked to tile
 each tensor exactly once): dim-0 shards (FSDP2) are byte ranges laid end to end, any other
 layout (a 2-D FSDP x TP mesh) is assembled from its chunks. Optimizer state and non-tensor
@@ -25,10 +25,11 @@ import os
 import re
 from typing import Dict, List, Optional, Tuple
 
-from .. import safe_load
-from ..errors import CheckpointError, LayoutError, one_line
+from ..formats import torch_files, unpickler
+from ..formats.dtypes import MAX_NDIM, SIZES as DTYPE_SIZES
+from ..errors import CheckpointError, LayoutError, one_line, short_repr
 from ..plan import Chunk, ExportPlan, Piece, TensorPlan, check_tiling, row_major_pieces
-from ..safe_load import Record, record_type, short_repr
+from ..formats.unpickler import Record, record_type
 
 __all__ = ["ALLOWED", "find_dcp_dir", "read_metadata", "data_archives", "check_archive_crcs", "plan_dcp_dir", "DcpTensor",
            "NAME", "LOOKS_FOR", "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "OPTIONS", "detect", "config_candidates",
@@ -76,7 +77,7 @@ _META = {n: _RECORDS[n] for n in ("Metadata", "TensorStorageMetadata", "BytesSto
                                   "TensorProperties", "MetadataIndex", "StorageMeta")}
 # module -> name -> stand-in: what torch's own DCP writers pickle into .metadata (torch 2.2 -> 2.13).
 ALLOWED = {
-    "torch": dict(safe_load.TORCH_GLOBALS),
+    "torch": dict(torch_files.TORCH_GLOBALS),
     "torch.serialization": {"_get_layout": _layout},
     "torch.distributed.checkpoint.metadata": {**_META, "_MEM_FORMAT_ENCODING": _mem_format},
     # torch < 2.4 kept TensorProperties with the sharded-tensor metadata
@@ -131,7 +132,7 @@ def _is_pickle(path):
 
 
 def _ints(value, what, where) -> Tuple[int, ...]:
-    if type(value) is not tuple or len(value) > safe_load.MAX_NDIM or \
+    if type(value) is not tuple or len(value) > MAX_NDIM or \
             not all(type(v) is int and v >= 0 for v in value):
         raise LayoutError(f"{where}: {what} {short_repr(value)} is not a list of non-negative integers; the "
                           "checkpoint is corrupt or crafted: copy it again from the training run")
@@ -150,7 +151,7 @@ def read_metadata(dcp_dir: str):
     left out), ``{(fqn, offsets): (file name, offset, length)}`` and ``{fqn: path in the nested state
     dict}``. Every value is checked; anything else is a :class:`LayoutError` naming the file."""
     where = os.path.join(dcp_dir, METADATA)
-    md = _record(safe_load.loads(where, allowed=ALLOWED), "Metadata", where, "the file")
+    md = _record(unpickler.load_pickle(where, allowed=ALLOWED), "Metadata", where, "the file")
     sd_meta = md.field("state_dict_metadata")
     if type(sd_meta) is not dict:
         raise LayoutError(f"{where}: no state_dict_metadata; not a torch DCP checkpoint, save it again")
@@ -164,9 +165,9 @@ def read_metadata(dcp_dir: str):
         props = _record(entry.field("properties"), "TensorProperties", where, f"{one_line(fqn[:100])} properties")
         state = props.state
         dtype = state[0] if type(state) is tuple and state else props.field("dtype")
-        if not isinstance(dtype, str) or dtype not in safe_load.DTYPE_SIZES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise LayoutError(f"{where}: {one_line(fqn[:100])} has dtype {short_repr(dtype)}, which hf-ckpt does not "
-                              f"export (it reads {', '.join(safe_load.DTYPE_SIZES)})")
+                              f"export (it reads {', '.join(DTYPE_SIZES)})")
         size = _ints(entry.field("size"), f"{one_line(fqn[:100])} size", where)
         chunks = entry.field("chunks")
         if type(chunks) is not list:
@@ -340,9 +341,9 @@ def _chunk_piece(dcp_dir, name, fqn, dtype, off, sz, storage, where) -> Piece:
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing (the chunk of {name} at offsets {list(off)} is stored there); copy "
                               "every .distcp file of the checkpoint")
-    ref = safe_load.load(path, offset=start, length=length, allowed=safe_load.TORCH_TENSOR_ALLOWED)
-    if not isinstance(ref, safe_load.TensorRef) or ref.shape != tuple(sz) or ref.dtype != dtype:
-        got = (f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, safe_load.TensorRef) else type(ref).__name__)
+    ref = torch_files.load(path, offset=start, length=length, allowed=torch_files.TORCH_TENSOR_ALLOWED)
+    if not isinstance(ref, torch_files.TensorRef) or ref.shape != tuple(sz) or ref.dtype != dtype:
+        got = (f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, torch_files.TensorRef) else type(ref).__name__)
         raise LayoutError(f"{path}: bytes {start}+{length} hold {got}, but .metadata records the chunk of {name} as "
                           f"{dtype} {list(sz)}; the files belong to different saves: copy the checkpoint again")
     byte_offset, _ = ref.byte_range()

@@ -9,11 +9,11 @@ whole storages, N times the weights); ``export`` rewrites the tensors as lean sa
 import os
 from typing import Dict, List, Optional
 
-from .. import safe_load
 from ..errors import CheckpointError, LayoutError
 from ..formats.dtypes import SIZES
 from ..formats.names import has_weights, weight_names
 from ..formats.safetensors import read_hf_dir
+from ..formats.torch_files import TensorRef, load as load_torch_file
 from ..plan import ExportPlan, Piece, TensorPlan
 from .audit import audit
 from .protocol import PlanContext
@@ -57,12 +57,12 @@ def plan(ctx: PlanContext) -> ExportPlan:
     else:
         for fname in weight_files:
             f = os.path.join(path, fname)
-            state = safe_load.load(f)
+            state = load_torch_file(f)
             if not isinstance(state, dict):
                 raise LayoutError(f"{f}: holds a {type(state).__name__}, not a state dict; save it with "
                                   "model.state_dict()")
             for name, ref in state.items():
-                if not isinstance(ref, safe_load.TensorRef):
+                if not isinstance(ref, TensorRef):
                     continue
                 offset, _ = ref.byte_range()
                 tensors[str(name)] = TensorPlan(str(name), ref.shape, ref.dtype,

@@ -9,10 +9,11 @@ files copied from the original save (parameter order, buffers, tied parameters).
 import os
 from typing import List, Optional
 
-from .. import safe_load
 from ..errors import CheckpointError, LayoutError
+from ..formats.torch_files import TensorRef
 from ..plan import ExportPlan, Piece, TensorPlan
 from .protocol import PlanContext
+from .deepspeed import allowlist as deepspeed_pickles
 
 __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "detect", "config_candidates", "plan", "is_universal_dir"]
 
@@ -56,20 +57,20 @@ def plan(ctx: PlanContext) -> ExportPlan:
     order, buffers, shared = [], {}, {}
     model_states = os.path.join(path, "mp_rank_00_model_states.pt")
     if os.path.isfile(model_states):
-        meta = safe_load.load(model_states)
+        meta = deepspeed_pickles.load(model_states)
         module = meta.get("module") or {}
         order = [n for n in module if n in names]
         shared = {str(k): str(v) for k, v in (meta.get("shared_params") or {}).items()}
         for n in meta.get("buffer_names") or []:
-            if isinstance(module.get(n), safe_load.TensorRef):
+            if isinstance(module.get(n), TensorRef):
                 buffers[n] = module[n]
     order += [n for n in names if n not in order]
     tensors = []
     for name in order:
         f = os.path.join(zero, name, "fp32.pt")
-        obj = safe_load.load(f)
+        obj = deepspeed_pickles.load(f)
         ref = obj.get("param") if isinstance(obj, dict) else None
-        if not isinstance(ref, safe_load.TensorRef):
+        if not isinstance(ref, TensorRef):
             raise LayoutError(f"{f}: no 'param' tensor; not a ds_to_universal output file, convert again")
         offset, _ = ref.byte_range()
         tensors.append(TensorPlan(name, ref.shape, ref.dtype, [[Piece(f, offset, ref.numel, ref.dtype)]]))

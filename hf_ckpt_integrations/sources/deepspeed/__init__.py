@@ -1,0 +1,166 @@
+"""DeepSpeed ZeRO-1/2/3 checkpoints on disk -> :class:`~...plan.ExportPlan`.
+
+Reads only pickled metadata (through :mod:`...formats.torch_files` with the allowlist of
+:mod:`.allowlist`, never DeepSpeed or torch); tensors stay
+:class:`~...formats.torch_files.TensorRef` byte ranges until the writer copies them. Files are
+placed by the data-parallel rank in their name read as a number (never by sort order), and
+ZeRO-1/2 placements are then proven against the offsets each file records
+(``param_slice_mappings``).
+
+The pieces, each public so that another source of per-rank files (pipeline stages, a new
+engine) can call them: :mod:`.rank_files` (which file holds which rank), :mod:`.fields` (the
+recorded fields, type-checked), :mod:`.partitions` (the ZeRO arithmetic on plain numbers),
+:mod:`.zero12` and :mod:`.zero3` (one model-parallel rank's tensors), :mod:`.tp_merge` (several
+model-parallel ranks merged). This module is the source the registry calls.
+"""
+
+import os
+from collections import OrderedDict
+from typing import Dict, List, Optional
+
+from ...errors import CheckpointError, LayoutError, short_repr
+from ...formats.torch_files import TensorRef
+from ...formats.dtypes import from_user as dtype_from_name
+from ...plan import ExportPlan, TensorPlan
+from ..protocol import PlanContext, SourceOption
+from ..tp_rules import parse_user_rule
+from .allowlist import ALLOWED, load
+from .fields import check_model_types, meta_int, require, tensor_pieces
+from .rank_files import RankFile, find_rank_files, holds_checkpoint, is_tag_dir, list_tags, resolve_tag_dir
+from .tp_merge import merge_model_parallel
+from .zero12 import plan_zero12, plan_zero12_frozen
+from .zero3 import plan_zero3, plan_zero3_frozen
+
+__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "ALLOWED", "detect", "config_candidates", "plan", "plan_mp_rank",
+           "resolve_tag_dir", "holds_checkpoint"]
+
+NAME = "deepspeed"
+LOOKS_FOR = "a DeepSpeed save (a 'latest' file, global_step* tag dirs, *_model_states.pt / *_optim_states.pt)"
+MEMORY_NAMES = True  # the model's own parameter names: the Hub-layout pass applies
+OPTIONS = (SourceOption("tp_rules", "PATTERN=0|1|replicated: how to merge model-parallel slices of parameters "
+                        "matching PATTERN that neither the checkpoint nor the HF config describes (the CLI's --tp-rule)",
+                        repeated=True, default=[]),)
+
+
+def detect(path: str, tag: Optional[str] = None) -> bool:
+    """A DeepSpeed save claims ``path`` when a tag is asked for, or it holds ``latest``, DeepSpeed
+    rank files or tag dirs of them: :func:`plan` then says precisely what is wrong with it."""
+    return (tag is not None or os.path.lexists(os.path.join(path, "latest")) or is_tag_dir(path)
+            or bool(list_tags(path)))
+
+
+def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
+    """The tag dir, the save dir, its parent: where a user keeps config.json beside a DeepSpeed save."""
+    path = os.path.abspath(path)
+    return [resolve_tag_dir(path, tag)[0], path, os.path.dirname(path)]
+
+
+def plan(ctx: PlanContext) -> ExportPlan:
+    """Plan the export of a DeepSpeed ZeRO checkpoint (see the module docstring).
+
+    ``ctx.config_dir``: the config the registry found (its TP merge rules are read from it).
+    ``ctx.options["tp_rules"]``: ``["PATTERN=0|1|replicated", ...]`` for model-parallel parameters
+    that neither the checkpoint nor the HF config describes (see :mod:`..tp_rules`).
+    """
+    src, tag, dtype, config_dir, tp_rules = ctx.path, ctx.tag, ctx.dtype, ctx.config_dir, ctx.option("tp_rules")
+    out_dtype = dtype_from_name(dtype)
+    try:
+        user_rules = [parse_user_rule(r) for r in (tp_rules or [])]
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    src = os.path.abspath(src)
+    tag_dir, tag = resolve_tag_dir(src, tag)
+    optim, models = find_rank_files(tag_dir)
+    mp_ranks = sorted(optim)
+    per_mp = [plan_mp_rank(tag_dir, mp, optim[mp], models[mp], out_dtype) for mp in mp_ranks]
+    if len(per_mp) == 1:
+        out = per_mp[0][0]
+    else:
+        out = merge_model_parallel(tag_dir, per_mp, config_dir, user_rules)
+    out.source = src
+    out.tag = tag
+    out.detail["mp_size"] = len(mp_ranks)
+    return out
+
+
+def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_dtype):
+    """The plan of one model-parallel rank ``mp_rank``, from its data-parallel ``ranks`` and its
+    model-states files (:func:`.rank_files.find_rank_files`), and its ``universal_checkpoint_info``
+    (None when not recorded): ``(ExportPlan, info)``."""
+    dp = len(ranks)
+    if sorted(ranks) != list(range(dp)):
+        # (bounded by the files present: a file named rank 10**12 must not build a range to it)
+        missing = sorted(set(range(dp)) - set(ranks))
+        raise LayoutError(f"{tag_dir}: data-parallel rank file(s) {missing[:8]} missing (found ranks "
+                          f"{sorted(ranks)[:8]}{'...' if dp > 8 else ''}); copy the whole tag directory again")
+    stage = meta_int(ranks[0].osd["zero_stage"], ranks[0].path, "zero_stage")
+    for r in ranks.values():
+        pc = r.osd.get("partition_count")
+        counts = pc if isinstance(pc, list) else [pc]
+        r_stage = meta_int(r.osd["zero_stage"], r.path, "zero_stage")
+        if r_stage != stage or not counts or any(meta_int(c, r.path, "partition_count") != dp for c in counts):
+            raise LayoutError(f"{r.path}: records zero_stage={r_stage} partition_count={short_repr(pc)}, "
+                              f"but the tag holds {dp} rank files of stage {stage}; files from different "
+                              "saves are mixed: copy one save's tag directory again")
+    if stage == 3:
+        model_path = model_files.get(0)
+        if model_path is None or sorted(k for k in model_files) != list(range(dp)):
+            raise LayoutError(f"{tag_dir}: ZeRO-3 needs one zero_pp_rank_R_mp_rank_{mp_rank:02d}_model_states.pt "
+                              f"per rank 0..{dp - 1}; found {sorted(str(k) for k in model_files)}")
+    else:
+        model_path = model_files.get(None)
+        if model_path is None:
+            raise LayoutError(f"{tag_dir}: mp_rank_{mp_rank:02d}_model_states.pt is missing; copy the whole "
+                              "tag directory again")
+    model = load(model_path)
+    param_groups = require(model, "param_shapes", model_path, "model-states")
+    check_model_types(model, model_path)
+    module = model.get("module") or {}
+    shared = model.get("shared_params") or {}
+    buffer_names = list(model.get("buffer_names") or [])
+
+    tensors: "OrderedDict[str, TensorPlan]" = OrderedDict()
+    if stage == 3:
+        plan_zero3(ranks, param_groups, model_path, tensors)
+        plan_zero3_frozen(model_files, dp, tensors)
+    else:
+        plan_zero12(ranks, param_groups, model_path, tensors, module)
+        plan_zero12_frozen(model, model_path, tensors)
+    for name in buffer_names:
+        ref = module.get(name)
+        if isinstance(ref, TensorRef):
+            tensors[name] = TensorPlan(name, ref.shape, ref.dtype, [[tensor_pieces(ref, 0, ref.numel)]],
+                                       kind="buffer")
+    if stage != 3:
+        # ZeRO-1 keeps frozen parameters only in the module state dict.
+        for name, ref in module.items():
+            if name in tensors or name in shared or not isinstance(ref, TensorRef):
+                continue
+            tensors[name] = TensorPlan(name, ref.shape, ref.dtype, [[tensor_pieces(ref, 0, ref.numel)]],
+                                       kind="frozen")
+    module_dtypes = {ref.dtype for ref in module.values() if isinstance(ref, TensorRef)}
+    module_dtype = module_dtypes.pop() if len(module_dtypes) == 1 else None
+    if out_dtype is not None and stage != 3 and out_dtype == module_dtype:
+        # The 16-bit (or fp32) module weights are saved whole: copy them instead of casting masters.
+        for name, t in tensors.items():
+            ref = module.get(name)
+            if t.kind == "master" and isinstance(ref, TensorRef) and ref.shape == t.shape:
+                tensors[name] = TensorPlan(name, t.shape, ref.dtype, [[tensor_pieces(ref, 0, ref.numel)]],
+                                           kind="module", module_check=t.module_check)
+
+    # Output order = the model's state_dict order (as save_pretrained writes it), then the rest.
+    ordered = [tensors.pop(n) for n in list(module) if n in tensors]
+    ordered += list(tensors.values())
+    files = sorted({p.path for t in ordered for part in t.parts for p in part} | {model_path})
+    dtypes = {"master": "F32"}
+    if module_dtype is not None:
+        dtypes["module"] = module_dtype
+    plan = ExportPlan(engine="deepspeed", source=tag_dir, tag=None, tensors=ordered,
+                      aliases={str(k): str(v) for k, v in shared.items()}, dtypes=dtypes, files=files,
+                      detail={"zero_stage": stage, "dp_size": dp, "mp_size": 1, "mp_axis": "none",
+                              "mp_axis_reason": None})
+    version = model.get("ds_version")  # every release records it; the layout never depends on it
+    plan.engine_version = version if isinstance(version, str) else None
+    if ranks[0].prefix:
+        plan.notes.append(f"optimizer files carry the {ranks[0].prefix}_ prefix (mixed-precision training)")
+    return plan, model.get("universal_checkpoint_info")

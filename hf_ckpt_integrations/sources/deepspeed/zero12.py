@@ -1,0 +1,154 @@
+"""ZeRO-1/2: each parameter group's fp32 masters, flat and cut in equal partitions, one per
+data-parallel rank (the arithmetic is :mod:`.partitions`); every partition's place is proven
+against the module weights the model-states file holds whole."""
+
+import os
+
+from ...errors import LayoutError
+from ...formats.torch_files import TensorRef
+from ...mapped_files import MappedFiles
+from ...plan import TensorPlan
+from . import partitions
+from .fields import numel, recorded_shape, tensor_pieces
+
+__all__ = ["plan_zero12", "plan_zero12_frozen", "module_copy", "prove_places", "param_alignment_paddings",
+           "PLACE_SAMPLES"]
+
+
+def plan_zero12(ranks, param_groups, model_path, tensors, module):
+    dp = len(ranks)
+    for i, group in enumerate(param_groups):
+        names = list(group)
+        shapes = [recorded_shape(group[n], model_path, n) for n in names]
+        parts, pads = [], []
+        for r in range(dp):
+            osd = ranks[r].osd
+            try:
+                parts.append(osd["single_partition_of_fp32_groups"][i])
+                pads.append(int(osd.get("group_paddings", [0] * len(param_groups))[i]))
+            except (KeyError, IndexError, TypeError):
+                raise LayoutError(f"{ranks[r].path}: has no fp32 partition for parameter group {i} "
+                                  f"({len(param_groups)} groups recorded); files from different saves are mixed")
+            if not isinstance(parts[-1], TensorRef) or parts[-1].dtype != "F32":
+                raise LayoutError(f"{ranks[r].path}: fp32 partition of group {i} is not an fp32 tensor; "
+                                  "the file is corrupt")
+        gaps = param_alignment_paddings(ranks, i)
+        try:
+            frags = partitions.zero12_fragments([numel(s) for s in shapes], [p.numel for p in parts], pads, gaps)
+        except ValueError as e:
+            raise LayoutError(f"{ranks[0].path}: parameter group {i}: {e}; the model-states file "
+                              f"{os.path.basename(model_path)} and the optimizer files come from different "
+                              "saves or are corrupt") from None
+        for r in range(dp):
+            recorded = ranks[r].osd.get("param_slice_mappings")
+            if isinstance(recorded, list) and i < len(recorded) and isinstance(recorded[i], dict):
+                rec = {str(k): _address(v, ranks[r].path) for k, v in recorded[i].items()}
+                bad = partitions.check_slice_mappings(names, frags, r, rec)
+                if bad:
+                    raise LayoutError(f"{ranks[r].path}: the offsets this file records (param_slice_mappings) "
+                                      f"disagree with its place as data-parallel rank {r} for {bad[:3]}; the "
+                                      "file was renamed or comes from another save: restore the original names")
+        copies = {n: module_copy(module.get(n), shape) for n, shape in zip(names, shapes)}
+        prove_places(ranks, i, names, frags, parts, copies, model_path)
+        for name, shape, fr in zip(names, shapes, frags):
+            pieces = [tensor_pieces(parts[r], local, count) for r, local, count in fr]
+            copy = copies[name]
+            check = ([pieces], [[tensor_pieces(copy, 0, copy.numel)]]) if copy is not None else None
+            tensors[name] = TensorPlan(name, shape, "F32", [pieces], kind="master", module_check=check)
+
+
+# Elements per rank and parameter group compared with the module weights while planning: both
+# ends of the partition and evenly spaced ones between (``verify`` compares every element).
+PLACE_SAMPLES = 8
+
+
+def module_copy(ref, shape):
+    """The module weight matching a master of ``shape``, if the model-states file holds one."""
+    if isinstance(ref, TensorRef) and ref.shape == tuple(shape) and ref.is_contiguous() and \
+            ref.dtype in ("F32", "BF16", "F16"):
+        return ref
+    return None
+
+
+def prove_places(ranks, group, names, frags, parts, copies, model_path):
+    """Prove each rank file sits at its place: a few of its fp32 masters, cast to the module weights'
+    dtype, must equal the module weights (saved whole in the model-states file) at the positions
+    the place implies. ``param_slice_mappings`` cannot do this when several ranks hold slices of
+    one parameter: their records are identical, so swapped files look right.
+
+    Raises :class:`LayoutError` naming the file and the element that disagrees.
+    """
+    from ...casts import cast_bytes  # numpy: the one rounding implementation (bitwise torch's)
+
+    by_rank = {r: [] for r in range(len(parts))}  # rank -> [(local start, count, name, offset in param)]
+    for name, fr in zip(names, frags):
+        done = 0
+        for r, local, count in fr:
+            by_rank[r].append((local, count, name, done))
+            done += count
+    with MappedFiles() as files:
+        for r, spans in by_rank.items():
+            n = parts[r].numel
+            for pos in sorted({(n - 1) * k // (PLACE_SAMPLES - 1) for k in range(PLACE_SAMPLES)} if n else ()):
+                hit = next(((name, off + pos - local) for local, count, name, off in spans
+                            if local <= pos < local + count), None)
+                copy = copies.get(hit[0]) if hit else None
+                if copy is None:
+                    continue
+                master = bytes(files.read(*_one(parts[r], pos)))
+                want = bytes(files.read(*_one(copy, hit[1])))
+                got = cast_bytes(master, "F32", copy.dtype)
+                if got != want and not (_is_nan(got, copy.dtype) and _is_nan(want, copy.dtype)):
+                    raise LayoutError(
+                        f"{ranks[r].path}: its fp32 partition of parameter group {group} does not match the "
+                        f"model's own weights ({os.path.basename(model_path)}) at its place as data-parallel "
+                        f"rank {r} ({hit[0]}[{hit[1]}]); rank files were swapped, renamed or copied from another "
+                        "save: restore the original file names, or copy the tag directory again")
+
+
+def _one(ref, index):
+    offset, nbytes = ref.byte_range(index, 1)
+    return ref.path, offset, nbytes
+
+
+def _is_nan(raw, dtype):
+    bits = int.from_bytes(raw, "little")
+    if dtype == "F32":
+        return (bits & 0x7FFFFFFF) > 0x7F800000
+    if dtype == "BF16":
+        return (bits & 0x7FFF) > 0x7F80
+    return (bits & 0x7FFF) > 0x7C00
+
+
+def param_alignment_paddings(ranks, group):
+    """Zeros DeepSpeed put after each parameter of ``group`` (``param_alignment_paddings``, 0.19+
+    with ``parameter_alignment``); ``None`` when the files record none (all releases before 0.19)."""
+    recorded = [r.osd.get("param_alignment_paddings") for r in ranks.values()]
+    if any(rec != recorded[0] for rec in recorded):
+        raise LayoutError(f"{ranks[0].path}: data-parallel ranks record different param_alignment_paddings; "
+                          "files from different saves are mixed: copy one save's tag directory again")
+    if recorded[0] is None:
+        return None
+    try:
+        return list(recorded[0][group])  # zero12_fragments checks they are non-negative integers
+    except (IndexError, KeyError, TypeError):
+        raise LayoutError(f"{ranks[0].path}: param_alignment_paddings has no list for parameter group "
+                          f"{group}; the file is corrupt") from None
+
+
+def _address(value, path):
+    try:
+        return int(value.numel), int(value.start)
+    except (AttributeError, TypeError, ValueError):
+        raise LayoutError(f"{path}: a param_slice_mappings entry is not a fragment address; the file is corrupt")
+
+
+def plan_zero12_frozen(model, model_path, tensors):
+    shapes = model.get("frozen_param_shapes") or {}
+    frags = model.get("frozen_param_fragments") or {}
+    for name, shape in shapes.items():
+        ref = frags.get(name)
+        shape = recorded_shape(shape, model_path, name)
+        if not isinstance(ref, TensorRef) or ref.numel != numel(shape):
+            raise LayoutError(f"{model_path}: frozen parameter {name} has no fragment of {numel(shape)} elements")
+        tensors[name] = TensorPlan(name, shape, ref.dtype, [[tensor_pieces(ref, 0, ref.numel)]], kind="frozen")
