@@ -163,9 +163,9 @@ def test_hub_layout_cache_skips_transformers_and_is_rechecked(engine_ckpt, tmp_p
     assert len(entries) == 1
     assert "TORCH False" in export(tmp_path / "b")  # from the cache
     entry = json.loads(entries[0].read_text())
-    experts = [h for h in entry["layout"] if h[3] != 0]
+    experts = [h for h in entry["answer"]["layout"] if h[3] != 0]
     assert experts, "the Mixtral layout splits experts"
-    experts[0][3] += 1  # one slice shifted by an element: no longer tiles its tensor
+    experts[0][3] += 1  # one slice shifted by an element: no longer tiles its tensor (nor fits its digest)
     entries[0].write_text(json.dumps(entry))
     assert "TORCH True" in export(tmp_path / "c")  # not trusted: derived again
     files = sorted(p.name for p in (tmp_path / "a").iterdir())
