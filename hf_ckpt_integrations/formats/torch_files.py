@@ -28,7 +28,7 @@ from .dtypes import MAX_NDIM, SIZES as DTYPE_SIZES, STORAGE_CLASSES, TORCH_NAMES
 from .unpickler import CONTAINERS, MAX_PICKLE_BYTES, Leaf, loads
 
 __all__ = ["TensorRef", "StorageRef", "TORCH_GLOBALS", "TORCH_ALLOWED", "TORCH_TENSOR_ALLOWED", "load",
-           "check_crc"]
+           "check_crc", "FileWindow", "CRC_BLOCK"]
 
 
 @dataclass(frozen=True)
@@ -304,17 +304,17 @@ def check_crc(path, ranges) -> list:
                 if not any(lo < off + n and off < hi for lo, hi in ranges):
                     continue
                 got = 0
-                for pos in range(off, off + n, _CRC_BLOCK):
-                    got = zlib.crc32(m[pos:min(pos + _CRC_BLOCK, off + n)], got)
+                for pos in range(off, off + n, CRC_BLOCK):
+                    got = zlib.crc32(m[pos:min(pos + CRC_BLOCK, off + n)], got)
                 if got != crc:
                     bad.append(name)
     return bad
 
 
-_CRC_BLOCK = 16 * 2**20
+CRC_BLOCK = 16 * 2**20
 
 
-class _Window:
+class FileWindow:
     """Bytes ``[start, start + size)`` of an open file, as a seekable read-only file of ``size``
     bytes: a torch zip archive stored inside a larger file (one chunk of a torch DCP ``.distcp``)."""
 
@@ -365,7 +365,7 @@ def load(path, *, offset: int = 0, length: Optional[int] = None, allowed: Option
                               "or the copy is incomplete: copy it again from the training run")
     try:
         with open(path, "rb") as raw:
-            fh = raw if where == path else _Window(raw, offset, size)
+            fh = raw if where == path else FileWindow(raw, offset, size)
             with _open_zip(fh, where) as zf:
                 pkl = _pickle_entry(zf, where)
                 if pkl.file_size > MAX_PICKLE_BYTES:

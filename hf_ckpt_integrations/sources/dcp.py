@@ -244,33 +244,6 @@ def data_archives(dcp_dir: str) -> Dict[str, List[Tuple[int, int]]]:
     return {path: sorted(set(spans)) for path, spans in out.items()}
 
 
-class _ArchiveWindow:
-    """Bytes ``[start, start + size)`` of an open file as a seekable file of its own: one chunk's
-    archive inside a ``.distcp`` file, for ``zipfile`` (which, given the whole file, finds only the
-    last archive's central directory)."""
-
-    def __init__(self, fh, start: int, size: int):
-        self._fh, self._start, self._size, self._pos = fh, start, size, 0
-
-    def seekable(self):
-        return True
-
-    def tell(self):
-        return self._pos
-
-    def seek(self, pos, whence=0):
-        self._pos = max(0, {0: 0, 1: self._pos, 2: self._size}[whence] + pos)
-        return self._pos
-
-    def read(self, n=-1):
-        n = self._size - self._pos if n is None or n < 0 else min(n, max(0, self._size - self._pos))
-        self._fh.seek(self._start + self._pos)
-        data = self._fh.read(n)
-        self._pos += len(data)
-        return data
-
-
-_CRC_BLOCK = 16 * 2**20
 
 
 def check_archive_crcs(path: str, archives: List[Tuple[int, int]], ranges: List[Tuple[int, int]]) -> List[str]:
@@ -289,11 +262,11 @@ def check_archive_crcs(path: str, archives: List[Tuple[int, int]], ranges: List[
                 continue
             where = f"bytes {start}+{length}"
             try:
-                with zipfile.ZipFile(_ArchiveWindow(fh, start, length)) as zf:
+                with zipfile.ZipFile(torch_files.FileWindow(fh, start, length)) as zf:
                     for info in zf.infolist():
                         try:
                             with zf.open(info) as entry:  # zipfile compares the CRC-32 at the entry's end
-                                while entry.read(_CRC_BLOCK):
+                                while entry.read(torch_files.CRC_BLOCK):
                                     pass
                         except (zipfile.BadZipFile, EOFError, OSError, ValueError, NotImplementedError):
                             bad.append(f"{where}: entry {info.filename}")
