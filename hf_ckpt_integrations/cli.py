@@ -9,6 +9,7 @@ SIGTERM, SIGHUP) after removing what the export had staged. Every message goes t
 :func:`~.errors.one_line`, so a hostile file name cannot break the one-line contract.
 """
 
+import contextlib
 import argparse
 import json
 import os
@@ -84,8 +85,11 @@ def _source_options(args) -> dict:
 def inspect_command(args) -> int:
     from .api import inspect_checkpoint
 
-    info = inspect_checkpoint(args.src, tag=args.tag, config=args.config, tp_rules=args.tp_rule,
-                              source_options=_source_options(args))
+    # What reading imports may print to stdout (DeepSpeed's accelerator banner when transformers 4
+    # imports it to build the meta model) goes to stderr: stdout is this report alone (--json parses).
+    with contextlib.redirect_stdout(sys.stderr):
+        info = inspect_checkpoint(args.src, tag=args.tag, config=args.config, tp_rules=args.tp_rule,
+                                  source_options=_source_options(args))
     if args.json:
         print(json.dumps(info, indent=2))
         return EXIT_OK
