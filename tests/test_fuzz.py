@@ -4,15 +4,12 @@ either export what ``verify`` accepts or are refused: never a traceback, a hang 
 """
 
 import collections
-import contextlib
 import enum
 import io
 import os
 import pickle
 import pickletools
-import resource
 import shutil
-import signal
 import struct
 import sys
 import zipfile
@@ -22,6 +19,7 @@ import pytest
 import torch
 
 from helpers import tree_digest
+from fuzz_bounds import Hang, exported_tensors, time_limit  # noqa: E402
 
 # ---------------------------------------------------------------- fuzzing
 
@@ -32,7 +30,6 @@ from hypothesis import strategies as st  # noqa: E402
 from hf_ckpt_integrations.cli import main as cli_main  # noqa: E402
 from hf_ckpt_integrations.formats.dtypes import SIZES as DTYPE_SIZES  # noqa: E402
 from hf_ckpt_integrations.sources import build_plan  # noqa: E402
-from hf_ckpt_integrations.verify import read_hf_dir  # noqa: E402
 
 
 TAG = "global_step2"
@@ -58,51 +55,7 @@ _SOURCE_DAMAGE = "fails its CRC-32 check"
 _MODULE_MISMATCH = "differ from the module weights it also holds"
 
 
-class _Hang(Exception):
-    pass
-
-
-CASE_MEMORY_S = 2 * 2**30  # address space one case may add (a runaway allocation: MemoryError)
-
-
-def _address_space():
-    with open("/proc/self/status") as fh:
-        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmSize:"))
-
-
-@contextlib.contextmanager
-def _time_limit(seconds):
-    """SIGALRM raises in Python code; a hang inside C (hashing a DAG) never returns to Python, so
-    faulthandler kills the whole run with every thread's stack at twice the limit. The address space
-    is capped too (restored afterwards)."""
-    import faulthandler
-
-    def on_alarm(signum, frame):
-        raise _Hang(f"no result after {seconds} s")
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(seconds)
-    faulthandler.dump_traceback_later(2 * seconds, exit=True, file=sys.__stderr__)
-    limits = resource.getrlimit(resource.RLIMIT_AS)
-    capped = os.path.exists("/proc/self/status")
-    if capped:
-        resource.setrlimit(resource.RLIMIT_AS, (_address_space() + CASE_MEMORY_S, limits[1]))
-    try:
-        yield
-    finally:
-        if capped:
-            resource.setrlimit(resource.RLIMIT_AS, limits)
-        faulthandler.cancel_dump_traceback_later()
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def _tensors(dst):
-    out = {}
-    for name, (path, dtype, shape, off, nbytes) in read_hf_dir(dst).items():
-        with open(path, "rb") as fh:
-            fh.seek(off)
-            out[name] = (dtype, tuple(shape), fh.read(nbytes))
-    return out
+_Hang, _time_limit, _tensors = Hang, time_limit, exported_tensors
 
 
 def _structure_offsets(path):

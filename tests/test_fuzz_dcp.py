@@ -12,13 +12,10 @@ dozen derandomized ones.
 """
 
 import collections
-import contextlib
 import dataclasses
 import os
 import pickle
-import resource
 import shutil
-import signal
 import sys
 from pathlib import Path
 
@@ -33,56 +30,14 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from hf_ckpt_integrations.cli import main as cli_main  # noqa: E402
-from hf_ckpt_integrations.verify import read_hf_dir  # noqa: E402
 from helpers import tree_digest  # noqa: E402
+from fuzz_bounds import Hang, exported_tensors, time_limit  # noqa: E402
 
 FUZZ_EXAMPLES = int(os.environ.get("HFCKPT_FUZZ_EXAMPLES", "0")) or None
 CASE_TIMEOUT_S = 30  # one case: export of a 10 KB model; longer is a hang
-CASE_MEMORY = 2 * 2**30  # address space one case may add (a runaway allocation: MemoryError)
 
 
-class _Hang(Exception):
-    pass
-
-
-def _address_space():
-    with open("/proc/self/status") as fh:
-        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmSize:"))
-
-
-@contextlib.contextmanager
-def _time_limit(seconds):
-    """SIGALRM for a hang in Python code; faulthandler ends the run at twice the limit for one in C;
-    the address space capped meanwhile."""
-    import faulthandler
-
-    def on_alarm(signum, frame):
-        raise _Hang(f"no result after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(seconds)
-    faulthandler.dump_traceback_later(2 * seconds, exit=True, file=sys.__stderr__)
-    limits = resource.getrlimit(resource.RLIMIT_AS)
-    capped = os.path.exists("/proc/self/status")
-    if capped:
-        resource.setrlimit(resource.RLIMIT_AS, (_address_space() + CASE_MEMORY, limits[1]))
-    try:
-        yield
-    finally:
-        if capped:
-            resource.setrlimit(resource.RLIMIT_AS, limits)
-        faulthandler.cancel_dump_traceback_later()
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def _tensors(dst):
-    out = {}
-    for name, (path, dtype, shape, off, nbytes) in read_hf_dir(dst).items():
-        with open(path, "rb") as fh:
-            fh.seek(off)
-            out[name] = (dtype, tuple(shape), fh.read(nbytes))
-    return out
+_Hang, _time_limit, _tensors = Hang, time_limit, exported_tensors
 
 
 _TIED = {"lm_head.weight": "model.embed_tokens.weight"}
