@@ -130,6 +130,10 @@ CASES = {
     # FSDP2 saved through torch's HuggingFaceStorageWriter (save_distributed: per-rank safetensors).
     "fsdp2-hf-writer": ("fsdp_hf_writer.py", 2, []),
     **{m: ("fsdp_train.py", 2, ["--mode", m]) for m in ("fsdp1", "fsdp1-flat")},  # FSDP1 SHARDED_STATE_DICT
+    # Per-rank torch.save FSDP2 state dicts (tests/test_fsdp_rank_files.py): verl's checkpoint manager
+    # (vocab 1001 on Shard(1)), and Accelerate's save_fsdp_model(use_dcp=False).
+    "rank-verl": ("fsdp_rank_files.py", 2, ["--mode", "verl"]),
+    "rank-accelerate": ("fsdp_rank_files.py", 2, ["--mode", "accelerate"]),
     # FSDP2 save-time: install_accelerate_hooks + save_model; the Trainer callback, then a resumed run.
     "fsdp2-accelerate-hooks": ("fsdp_savetime.py", 2, ["--mode", "accelerate-hooks"]),
     "fsdp2-trainer-cb": ("fsdp_savetime.py", 2, ["--mode", "trainer-cb"]),

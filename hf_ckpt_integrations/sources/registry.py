@@ -25,7 +25,7 @@ from typing import Any, Dict, Mapping, Optional
 from ..errors import CheckpointError
 from ..formats.names import CONFIG_NAME
 from ..plan import ExportPlan, check_plan, decide_dtypes
-from . import dcp, deepspeed, hf_dir, hub_layout, peft, universal
+from . import dcp, deepspeed, fsdp_rank_files, hf_dir, hub_layout, peft, universal
 from .fp32_modules import keep_for_plan
 from .passes import drop_tied_aliases, find_config_dir, tie_embeddings
 from .protocol import PlanContext, SourceOption, check_source, parse_options
@@ -48,6 +48,7 @@ def register(*sources) -> tuple:
 SOURCES = register(
     universal,  # ds_to_universal output (the directory itself, or the tag naming one)
     dcp,  # torch DCP (FSDP, Accelerate save_state, Trainer checkpoint-N under FSDP): before HF weights beside it
+    fsdp_rank_files,  # per-rank torch.save FSDP state dicts (verl, SkyRL, Accelerate use_dcp=False)
     hf_dir,  # an HF directory, unless a DeepSpeed checkpoint also resolves there (its YIELDS_TO)
     deepspeed,  # a DeepSpeed save dir, tag dir or Trainer checkpoint-N
 )

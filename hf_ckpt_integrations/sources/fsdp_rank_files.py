@@ -1,0 +1,528 @@
+"""Per-rank ``torch.save`` files of an FSDP sharded state dict -> :class:`~..plan.ExportPlan`.
+
+Who writes them, and where (each rank ``R`` of ``W`` saves its own ``model.state_dict()``):
+
+- verl's ``FSDPCheckpointManager``: ``global_step_N/actor/model_world_size_{W}_rank_{R}.pt`` (and
+  ``critic/``), beside ``optim_…``/``extra_state_…`` twins, ``fsdp_config.json``
+  (``{"FSDP_version": …, "world_size": W}``, verl >= 0.4.1) and ``huggingface/`` (config and
+  tokenizer); ``latest_checkpointed_iteration.txt`` at the root names the last step. verl's SFT
+  trainer writes the files into ``global_step_N/`` itself; SkyRL uses the same names under
+  ``policy/``.
+- Accelerate's ``save_fsdp_model(..., use_dcp=False)`` under ``SHARDED_STATE_DICT``:
+  ``pytorch_model_fsdp_0_rank{R}.bin`` in the output directory.
+
+FSDP2 (and FSDP1 given a device mesh, as verl does) state dicts hold DTensors: the local shard,
+the global size and dtype, the device mesh (its shape and this rank's coordinate) and one
+placement per mesh dim (``Shard(d)``, ``_StridedShard(d, split_factor)``, ``Replicate()``,
+``Partial()``). torch pickles each one as ``_rebuild_from_type_v2(_rebuild_wrapper_subclass,
+DTensor, args, state)``; :data:`ALLOWED` rebuilds them, the mesh and the placements as inert
+stand-ins (nothing is called, torch.distributed is never imported), and :func:`local_indices`
+places each rank's shard with torch's own arithmetic (``compute_local_shape_and_global_offset``:
+mesh dims left to right, ``torch.chunk`` sizes, so uneven last shards and empty ones come out as
+torch made them). ``Replicate`` copies are written once and checked bitwise equal to the written
+one (``TensorPlan.tied_copies`` under the tensor's own name); ``Partial`` (unreduced sums) is
+refused. Plain tensors (buffers) are held whole by every rank: the same.
+
+Refused, naming the file: a rank file missing, a world size that disagrees with
+``fsdp_config.json``, shards that overlap or leave a gap (:func:`~..plan.check_tiling`), a shard
+whose shape is not what its placements give, ranks that disagree on a tensor's size, dtype, mesh
+or placements.
+"""
+
+import itertools
+import json
+import math
+import os
+import re
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .. import guards
+from ..errors import CheckpointError, LayoutError, one_line, short_repr
+from ..formats import torch_files
+from ..formats.dtypes import MAX_NDIM
+from ..formats.unpickler import StandIn
+from ..plan import Chunk, ExportPlan, Piece, TensorPlan, check_tiling, row_major_pieces
+from .dcp import _layout
+
+__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "OPTIONS", "ALLOWED", "detect",
+           "config_candidates", "plan", "find_rank_files", "local_indices", "DTensorRef"]
+
+NAME = "fsdp-rank-files"
+LOOKS_FOR = ("per-rank torch.save FSDP state dicts (verl/SkyRL model_world_size_W_rank_R.pt in global_step_N/, "
+             "actor/ or policy/; Accelerate use_dcp=False pytorch_model_fsdp_0_rankR.bin)")
+MEMORY_NAMES = True  # FSDP state dicts use the model's own parameter names
+TIED_UNDER_BOTH_NAMES = True  # and hold a tied weight under both names
+OPTIONS = ()
+
+_VERL_RE = re.compile(r"^model_world_size_(\d{1,6})_rank_(\d{1,6})\.pt$")
+_ACCELERATE_RE = re.compile(r"^pytorch_model_fsdp_0_rank(\d{1,6})\.bin$")
+# FSDP1 LOCAL_STATE_DICT: flat parameters, which only the model's parameter shapes can split.
+_LOCAL_RE = re.compile(r"^pytorch_model_fsdp_rank(\d{1,6})\.bin$")
+_MODEL_DIRS = ("actor", "policy")  # verl's actor (the policy; critic/ beside it), SkyRL's policy
+_LATEST = "latest_checkpointed_iteration.txt"
+_FSDP_CONFIG = "fsdp_config.json"
+_HF_DIR = "huggingface"
+
+
+# ---- the pickled classes, as inert stand-ins -------------------------------------------------
+
+class _Obj(StandIn):
+    """An allowlisted torch.distributed object: NEWOBJ arguments kept as ``args`` (``TensorMeta`` and
+    ``ShardOrderEntry`` are named tuples built from them), BUILD state as ``state``. Nothing runs."""
+
+    kind = "Obj"
+
+    def __new__(cls, *args):
+        obj = object.__new__(cls)
+        obj.args, obj.state = args, None
+        return obj
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def field(self, name, default=None):
+        """Field ``name`` of the state: a dict, or a ``(dict, slots dict)`` pair as torch pickles slots."""
+        for part in (self.state if type(self.state) is tuple else (self.state,)):
+            if type(part) is dict and name in part:
+                return part[name]
+        return default
+
+    def __repr__(self):
+        return f"{self.kind}({short_repr(self.args)}, {short_repr(self.state)})"
+
+
+def _obj_type(name):
+    return type(name, (_Obj,), {"kind": name})
+
+
+_TYPES = {n: _obj_type(n) for n in ("DeviceMesh", "_MeshLayout", "_FlatLayout", "DTensorSpec", "TensorMeta",
+                                    "ShardOrderEntry", "Shard", "_StridedShard", "Replicate", "Partial")}
+
+
+class _Marker:
+    """A pickled class that is only ever an argument (``DTensor`` in its rebuild call): not callable."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return self.name
+
+
+_DTENSOR = _Marker("DTensor")
+
+
+class _WrapperArgs(StandIn):
+    """What ``torch._utils._rebuild_wrapper_subclass(cls, dtype, size, stride, ...)`` was given: kept, not run."""
+
+    def __init__(self, args):
+        self.args = args
+
+
+def _rebuild_wrapper_subclass(*args):
+    return _WrapperArgs(args)
+
+
+class DTensorRef(StandIn):
+    """A DTensor of a rank file: global ``shape`` and ``dtype``, ``local`` (the rank's shard, a
+    :class:`~..formats.torch_files.TensorRef`) and ``spec`` (the pickled ``DTensorSpec`` stand-in)."""
+
+    def __init__(self, shape, dtype, local, spec):
+        self.shape, self.dtype, self.local, self.spec = shape, dtype, local, spec
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    # torch pickles a tensor subclass as (rebuild function, class, args, state): a DTensor through
+    # _rebuild_wrapper_subclass with its local shard and spec in the (dict, slots) state; every
+    # other tensor as torch_files reads it.
+    if func is not _rebuild_wrapper_subclass:
+        return torch_files.TORCH_ALLOWED["torch._tensor"]["_rebuild_from_type_v2"](func, new_type, args, state)
+    if new_type is not _DTENSOR or type(args) is not tuple or len(args) < 3:
+        raise CheckpointError(f"a tensor subclass {short_repr(new_type)} rebuilt from {short_repr(args)}; "
+                              "only DTensor is read")
+    holder = _TYPES["DTensorSpec"]()  # reads the (dict, slots) state the same way as a spec's
+    holder.state = state
+    return DTensorRef(args[2], args[1], holder.field("_local_tensor"), holder.field("_spec"))
+
+
+def _named(module_names, cls_names, value):
+    return {m: {n: value(n) for n in cls_names} for m in module_names}
+
+
+def _merge(*tables):
+    out: Dict[str, dict] = {}
+    for table in tables:
+        for module, names in table.items():
+            out.setdefault(module, {}).update(names)
+    return out
+
+
+# module -> name -> stand-in. torch has moved these classes between releases (2.4's
+# torch.distributed._tensor.* became torch.distributed.tensor.* in 2.5); every spelling is listed.
+_TENSOR_PKGS = ("torch.distributed.tensor", "torch.distributed._tensor")
+ALLOWED = _merge(
+    torch_files.TORCH_ALLOWED,
+    {"torch._tensor": {"_rebuild_from_type_v2": _rebuild_from_type_v2},
+     "torch._utils": {"_rebuild_wrapper_subclass": _rebuild_wrapper_subclass},
+     "torch.serialization": {"_get_layout": _layout}},
+    _named([*_TENSOR_PKGS, *(f"{p}.api" for p in _TENSOR_PKGS), *(f"{p}._api" for p in _TENSOR_PKGS)],
+           ["DTensor"], lambda n: _DTENSOR),
+    _named([f"{p}.placement_types" for p in _TENSOR_PKGS], ["Shard", "_StridedShard", "Replicate", "Partial"],
+           _TYPES.get),
+    _named([f"{p}._dtensor_spec" for p in _TENSOR_PKGS] + [f"{p}.placement_types" for p in _TENSOR_PKGS],
+           ["DTensorSpec", "TensorMeta", "ShardOrderEntry"], _TYPES.get),
+    _named(["torch.distributed.device_mesh", "torch.distributed._tensor.device_mesh"], ["DeviceMesh"], _TYPES.get),
+    _named(["torch.distributed._mesh_layout"], ["_MeshLayout", "_FlatLayout"], _TYPES.get),
+)
+
+
+# ---- where the files are ---------------------------------------------------------------------
+
+def _listdir(path) -> List[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _rank_names(path) -> Dict[str, List[Tuple[int, str]]]:
+    """``{"verl": [(rank, name)], "accelerate": [...], "local": [...]}`` of ``path``'s rank files."""
+    out: Dict[str, List[Tuple[int, str]]] = {}
+    for name in _listdir(path):
+        for kind, pattern in (("verl", _VERL_RE), ("accelerate", _ACCELERATE_RE), ("local", _LOCAL_RE)):
+            m = pattern.match(name)
+            if m:
+                out.setdefault(kind, []).append((int(m.groups()[-1]), name))
+    return out
+
+
+def _model_dir(path: str) -> Optional[str]:
+    """The directory holding the rank files: ``path``, its ``actor/`` or ``policy/``, or (a verl
+    run's root) the step ``latest_checkpointed_iteration.txt`` names."""
+    for cand in [path] + [os.path.join(path, d) for d in _MODEL_DIRS]:
+        if _rank_names(cand):
+            return cand
+    latest = os.path.join(path, _LATEST)
+    if os.path.isfile(latest):
+        step = guards.read_small_text(latest, limit=64, what=_LATEST).strip()
+        if step.isdigit():
+            step_dir = os.path.join(path, f"global_step_{int(step)}")
+            if os.path.isdir(step_dir) and step_dir != path:
+                return _model_dir(step_dir)
+    return None
+
+
+def detect(path: str, tag: Optional[str] = None) -> bool:
+    """Rank files in ``path``, its ``actor/``/``policy/``, or the step a verl root names (file names only)."""
+    return tag is None and _model_dir(path) is not None
+
+
+def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
+    model = _model_dir(path) or path
+    parent = os.path.dirname(os.path.abspath(model))
+    return [os.path.join(model, _HF_DIR), model, os.path.join(parent, _HF_DIR), parent, path]
+
+
+def find_rank_files(model_dir: str) -> Tuple[str, int, List[str]]:
+    """``(layout, world size, [path of rank 0, 1, ...])`` of the rank files in ``model_dir``; refused
+    (naming the file) when a rank is missing, two world sizes are mixed, or ``fsdp_config.json``
+    records another world size."""
+    found = _rank_names(model_dir)
+    if "local" in found and len(found) == 1:
+        raise CheckpointError(f"{os.path.join(model_dir, found['local'][0][1])}: an FSDP1 LOCAL_STATE_DICT save (flat "
+                              "parameters per rank), which hf-ckpt does not read; save with SHARDED_STATE_DICT "
+                              "(use_dcp=True or False) or FULL_STATE_DICT")
+    if "verl" in found:
+        layout, entries = "verl", found["verl"]
+        sizes = sorted({int(_VERL_RE.match(n).group(1)) for _, n in entries})
+        if len(sizes) != 1:
+            raise CheckpointError(f"{model_dir}: holds model files of world sizes {sizes}; keep one save's files in a "
+                                  "step directory")
+        world = sizes[0]
+    else:
+        layout, entries = "accelerate", found["accelerate"]
+        world = max(r for r, _ in entries) + 1
+    by_rank = dict(entries)
+    if world < 1 or world > 1_000_000:
+        raise CheckpointError(f"{model_dir}: world size {world} is not one a save writes")
+    missing = [r for r in range(world) if r not in by_rank]
+    if missing:
+        name = (f"model_world_size_{world}_rank_{missing[0]}.pt" if layout == "verl"
+                else f"pytorch_model_fsdp_0_rank{missing[0]}.bin")
+        raise CheckpointError(f"{os.path.join(model_dir, name)}: missing (the save has {world} ranks; "
+                              f"{len(missing)} rank file(s) missing); copy every rank's file of the checkpoint")
+    cfg_path = os.path.join(model_dir, _FSDP_CONFIG)
+    if os.path.exists(cfg_path):
+        try:
+            cfg = json.loads(guards.read_small_text(cfg_path, limit=1 << 16, what=_FSDP_CONFIG))
+        except ValueError:
+            raise CheckpointError(f"{cfg_path}: not JSON; the file is corrupt: copy it again") from None
+        recorded = cfg.get("world_size") if isinstance(cfg, dict) else None
+        if recorded is not None and recorded != world:
+            raise CheckpointError(f"{cfg_path}: records world_size {short_repr(recorded)}, but {model_dir} holds the "
+                                  f"model files of {world} ranks; files of different saves are mixed: copy the "
+                                  "checkpoint again")
+    return layout, world, [os.path.join(model_dir, by_rank[r]) for r in range(world)]
+
+
+# ---- placement arithmetic (plain numbers) ----------------------------------------------------
+
+def _chunk_range(size: int, n: int, i: int) -> Tuple[int, int]:
+    """``[start, end)`` of chunk ``i`` of ``torch.chunk(range(size), n)`` (empty past the end)."""
+    full = -(-size // n) if n else 0
+    start = min(size, full * i)
+    return start, min(size, start + full)
+
+
+def local_indices(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
+                  placements: Sequence[Tuple[str, int, int]]) -> List[List[int]]:
+    """For each tensor dim, the global indices the shard at mesh coordinate ``coord`` holds, in order,
+    as torch's ``_compute_local_shape_and_global_offset`` places them: mesh dims left to right,
+    ``("shard", dim, 0)`` a ``torch.chunk`` of what is left along ``dim``, ``("strided", dim,
+    split_factor)`` a chunk of each of ``split_factor`` chunks, ``("replicate", -1, 0)`` nothing."""
+    idx = [list(range(s)) for s in shape]
+    for mesh_dim, (kind, dim, factor) in enumerate(placements):
+        if kind == "replicate":
+            continue
+        cur, n, r = idx[dim], mesh_shape[mesh_dim], coord[mesh_dim]
+        if kind == "shard":
+            a, b = _chunk_range(len(cur), n, r)
+            idx[dim] = cur[a:b]
+        else:
+            keep = []
+            for j in range(factor):
+                a, b = _chunk_range(len(cur), factor, j)
+                piece = cur[a:b]
+                c, d = _chunk_range(len(piece), n, r)
+                keep.extend(piece[c:d])
+            idx[dim] = keep
+    return idx
+
+
+def _runs(indices: List[int]) -> List[Tuple[int, int, int]]:
+    """Maximal runs of consecutive global indices: ``(local start, global start, length)``."""
+    out = []
+    for k, g in enumerate(indices):
+        if out and out[-1][1] + out[-1][2] == g:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((k, g, 1))
+    return out
+
+
+def _box_pieces(ref, lo: Sequence[int], hi: Sequence[int]) -> List[Piece]:
+    """The elements of box ``[lo, hi)`` of the (contiguous) local tensor ``ref``, row-major, as pieces:
+    one per row of the dims the box cuts, the dims it covers whole merged into each."""
+    shape = ref.shape
+    k = len(shape)
+    while k > 0 and lo[k - 1] == 0 and hi[k - 1] == shape[k - 1]:
+        k -= 1
+    if k == 0:
+        return [Piece(ref.path, ref.byte_range()[0], ref.numel, ref.dtype)] if ref.numel else []
+    inner = math.prod(shape[k:])
+    run = (hi[k - 1] - lo[k - 1]) * inner
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    pieces = []
+    for outer in itertools.product(*(range(lo[d], hi[d]) for d in range(k - 1))):
+        start = sum(i * strides[d] for d, i in enumerate(outer)) + lo[k - 1] * inner
+        if run:
+            pieces.append(Piece(ref.path, ref.byte_range(start, run)[0], run, ref.dtype))
+    return pieces
+
+
+# ---- reading one rank's DTensors ---------------------------------------------------------------
+
+class _Shard:
+    """One rank's piece of one tensor, read from its file: where its blocks land and which copy it is."""
+
+    def __init__(self, shape, dtype, chunks, replica, describe):
+        self.shape, self.dtype, self.chunks, self.replica, self.describe = shape, dtype, chunks, replica, describe
+
+
+def _ints(value, what, where) -> Tuple[int, ...]:
+    if type(value) not in (tuple, list) or len(value) > MAX_NDIM or not all(type(v) is int and v >= 0 for v in value):
+        raise LayoutError(f"{where}: {what} {short_repr(value)} is not a list of non-negative integers; the file is "
+                          "corrupt or crafted: copy it again from the training run")
+    return tuple(value)
+
+
+def _mesh(mesh, where, rank) -> Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[str, ...]]:
+    """``(shape, this rank's coordinate, dim names)`` of a pickled DeviceMesh (torch 2.4 -> 2.13 keep
+    the coordinate as ``_coordinate_on_dim``; the shape is the ``mesh`` tensor's, or since 2.9 the
+    ``_layout``'s axes')."""
+    if not isinstance(mesh, _TYPES["DeviceMesh"]):
+        raise LayoutError(f"{where}: a DTensor's mesh is {short_repr(mesh)}, not a DeviceMesh; the file is corrupt or "
+                          "written by a torch release hf-ckpt does not know: please report it")
+    layout = mesh.field("_layout")
+    if isinstance(layout, _TYPES["_MeshLayout"]):
+        axes = layout.field("axes")
+        if type(axes) is not tuple or not all(isinstance(a, _TYPES["_FlatLayout"]) for a in axes):
+            raise LayoutError(f"{where}: the device mesh layout {short_repr(axes)} is malformed; the file is corrupt")
+        shape = tuple(math.prod(_ints(a.field("shape"), "mesh axis", where)) for a in axes)
+    elif isinstance(mesh.field("mesh"), torch_files.TensorRef):
+        shape = mesh.field("mesh").shape
+    else:
+        raise LayoutError(f"{where}: the device mesh records no shape (neither _layout nor mesh); written by a torch "
+                          "release hf-ckpt does not know: please report it")
+    coord = _ints(mesh.field("_coordinate_on_dim"), "mesh coordinate", where)
+    recorded = mesh.field("_rank")
+    if len(coord) != len(shape) or any(c >= s for c, s in zip(coord, shape)) or \
+            (type(recorded) is int and recorded != rank):
+        raise LayoutError(f"{where}: the device mesh places this file at coordinate {list(coord)} of a "
+                          f"{list(shape)} mesh as rank {short_repr(recorded)}, but it is rank {rank}'s file; files "
+                          "were renamed or mixed: copy the checkpoint again")
+    names = mesh.field("_mesh_dim_names", mesh.field("mesh_dim_names"))
+    names = tuple(str(n) for n in names) if type(names) is tuple and all(type(n) is str for n in names) else ()
+    return shape, coord, names
+
+
+def _placement(p, ndim, where) -> Tuple[str, int, int]:
+    kind = getattr(p, "kind", None)
+    if kind == "Replicate":
+        return ("replicate", -1, 0)
+    if kind == "Partial":
+        raise LayoutError(f"{where}: holds a Partial placement (per-rank partial sums, not weights); save the state "
+                          "dict after the reduction (full_tensor() or redistribute to Replicate)")
+    if kind in ("Shard", "_StridedShard"):
+        dim, factor = p.field("dim"), p.field("split_factor", 1)
+        if type(dim) is not int or not 0 <= dim < ndim or type(factor) is not int or factor < 1:
+            raise LayoutError(f"{where}: placement {short_repr(p.state)} is malformed; the file is corrupt")
+        return ("shard", dim, 0) if kind == "Shard" else ("strided", dim, factor)
+    raise LayoutError(f"{where}: placement {short_repr(p)} is not one hf-ckpt reads (Shard, _StridedShard, Replicate)")
+
+
+def _describe(p) -> str:
+    return {"replicate": "Replicate()", "shard": f"Shard({p[1]})", "strided": f"_StridedShard({p[1]}, {p[2]})"}[p[0]]
+
+
+def _dtensor_shard(name, t: DTensorRef, where, rank) -> Tuple[_Shard, dict]:
+    shape = _ints(tuple(t.shape) if type(t.shape) in (tuple, list) else t.shape, f"{name} size", where)
+    local = t.local
+    spec = t.spec
+    if not isinstance(local, torch_files.TensorRef) or not isinstance(spec, _TYPES["DTensorSpec"]):
+        raise LayoutError(f"{where}: DTensor {name} has no local tensor or spec; the file is corrupt or crafted")
+    if str(t.dtype) != local.dtype:
+        raise LayoutError(f"{where}: DTensor {name} is {short_repr(str(t.dtype))} but its local shard {local.dtype}; the "
+                          "file is corrupt")
+    mesh_shape, coord, dim_names = _mesh(spec.field("mesh"), where, rank)
+    placements = spec.field("placements")
+    if type(placements) is not tuple or len(placements) != len(mesh_shape):
+        raise LayoutError(f"{where}: DTensor {name} has placements {short_repr(placements)} for a {len(mesh_shape)}-D "
+                          "mesh; the file is corrupt")
+    placed = [_placement(p, len(shape), f"{where}: {name}") for p in placements]
+    idx = local_indices(shape, mesh_shape, coord, placed)
+    if tuple(len(i) for i in idx) != local.shape:
+        raise LayoutError(f"{where}: the shard of {name} is {list(local.shape)}, but placements "
+                          f"{', '.join(map(_describe, placed))} on mesh {list(mesh_shape)} at {list(coord)} give "
+                          f"{[len(i) for i in idx]}; the file is corrupt or from another save")
+    chunks = []
+    for combo in itertools.product(*(_runs(i) for i in idx)):
+        lo = tuple(c[0] for c in combo)
+        hi = tuple(c[0] + c[2] for c in combo)
+        chunks.append(Chunk(tuple(_box_pieces(local, lo, hi)), tuple(c[1] for c in combo),
+                            tuple(c[2] for c in combo)))
+    replica = tuple(c for c, p in zip(coord, placed) if p[0] == "replicate")
+    facts = {"mesh": list(mesh_shape), "dim_names": list(dim_names),
+             "placements": [_describe(p) for p in placed]}
+    return _Shard(shape, local.dtype, chunks, replica, ", ".join(facts["placements"])), facts
+
+
+def _plain_shard(ref: torch_files.TensorRef, rank) -> _Shard:
+    """A plain tensor (a buffer) every rank holds whole: rank ``r``'s copy is replica ``r``."""
+    pieces = _box_pieces(ref, (0,) * len(ref.shape), ref.shape)
+    return _Shard(ref.shape, ref.dtype, [Chunk(tuple(pieces), (0,) * len(ref.shape), tuple(ref.shape))], (rank,),
+                  "whole on every rank")
+
+
+def _read_rank(path, rank) -> Tuple[Dict[str, _Shard], dict, int]:
+    sd = torch_files.load(path, allowed=ALLOWED)
+    if not isinstance(sd, dict):
+        raise LayoutError(f"{path}: holds {type(sd).__name__}, not a state dict; pass the model's rank files")
+    out, facts, skipped = {}, {}, 0
+    for name, value in sd.items():
+        if type(name) is not str:
+            raise LayoutError(f"{path}: key {short_repr(name)} is not a name; the file is corrupt")
+        if isinstance(value, DTensorRef):
+            out[name], f = _dtensor_shard(one_line(name[:200]), value, path, rank)
+            facts.setdefault(", ".join(f["placements"]), f)
+        elif isinstance(value, torch_files.TensorRef):
+            out[name] = _plain_shard(value, rank)
+        else:
+            skipped += 1
+    return out, facts, skipped
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+
+def plan(ctx) -> ExportPlan:
+    """The registry's entry point: every rank file read (pickles only), each tensor's shards placed."""
+    model_dir = os.path.abspath(_model_dir(ctx.path))
+    layout, world, files = find_rank_files(model_dir)
+    ranks = []
+    facts: Dict[str, dict] = {}
+    skipped = 0
+    for r, path in enumerate(files):
+        shards, f, s = _read_rank(path, r)
+        ranks.append(shards)
+        facts.update(f)
+        skipped = max(skipped, s)
+    names = list(ranks[0])
+    for r, shards in enumerate(ranks[1:], 1):
+        if set(shards) != set(names):
+            odd = sorted(set(shards) ^ set(names))[0]
+            raise LayoutError(f"{files[r]}: holds {len(shards)} tensors, rank 0's file {len(names)} ({one_line(odd[:100])} "
+                              "is in one only); files of different saves are mixed: copy the checkpoint again")
+    out = []
+    split = 0
+    for name in names:
+        out.append(_tensor(name, [shards[name] for shards in ranks], files))
+        split += out[-1].chunks is not None and len(out[-1].chunks) > 1
+    dtypes = {t.src_dtype for t in out}
+    mesh = next(iter(facts.values()), None)
+    notes = [f"per-rank torch.save files ({layout}): {world} ranks"
+             + (f", mesh {mesh['mesh']}" + (f" {mesh['dim_names']}" if mesh["dim_names"] else "") if mesh else "")
+             + f"; placements: {'; '.join(sorted(facts)) or 'none (plain tensors)'}"]
+    if skipped:
+        notes.append(f"{skipped} non-tensor entries skipped")
+    others = [d for d in ("critic",) if os.path.isdir(os.path.join(os.path.dirname(model_dir), d))]
+    if others and os.path.basename(model_dir) in _MODEL_DIRS:
+        notes.append(f"exported {os.path.basename(model_dir)}/; {', '.join(others)}/ beside it is not exported")
+    detail = {"world_size": world, "layout": layout}
+    if mesh:
+        detail.update({"mesh": mesh["mesh"], "mesh_dim_names": mesh["dim_names"],
+                       "placements": {k: sum(1 for n in names if ranks[0][n].describe == k) for k in sorted(facts)}})
+    return ExportPlan(engine=NAME, source=os.path.abspath(ctx.path), tag=None, tensors=out,
+                      dtypes={"module": dtypes.pop()} if len(dtypes) == 1 else {}, config_dir=ctx.config_dir,
+                      files=files, notes=notes, detail=detail)
+
+
+def _tensor(name, shards: List[_Shard], files) -> TensorPlan:
+    """One output tensor from every rank's shard: the copy whose replica coordinates are all 0 is
+    written, each other copy is checked equal to it (``tied_copies`` under its own name)."""
+    first = shards[0]
+    shown = one_line(name[:100])
+    for r, s in enumerate(shards):
+        if (s.shape, s.dtype, s.describe) != (first.shape, first.dtype, first.describe):
+            raise LayoutError(f"{files[r]}: {shown} is {s.dtype} {list(s.shape)} placed {s.describe}, in rank 0's file "
+                              f"{first.dtype} {list(first.shape)} placed {first.describe}; files of different saves "
+                              "are mixed: copy the checkpoint again")
+    groups: Dict[tuple, List[Chunk]] = {}
+    for s in shards:
+        groups.setdefault(s.replica, []).extend(c for c in s.chunks if c.numel)
+    for key, chunks in groups.items():
+        try:
+            check_tiling(first.shape, chunks)
+        except ValueError as e:
+            raise LayoutError(f"{os.path.dirname(files[0])}: the shards of {shown} ({first.describe}"
+                              + (f", copy {list(key)}" if key and len(groups) > 1 else "")
+                              + f") do not tile its size {list(first.shape)} ({e}); a rank's file is missing, "
+                              "duplicated or from another save: copy the checkpoint again") from None
+    keys = sorted(groups)
+    primary = groups[keys[0]]
+    flat = row_major_pieces(first.shape, primary)
+    if flat is not None:
+        t = TensorPlan(name, first.shape, first.dtype, [flat], kind="module")
+    else:
+        t = TensorPlan.from_chunks(name, first.shape, first.dtype, primary, kind="module")
+    t.tied_copies.extend((name, groups[k]) for k in keys[1:])
+    return t
