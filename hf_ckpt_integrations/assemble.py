@@ -100,6 +100,10 @@ def check_replicas(t: TensorPlan, files: MappedFiles) -> None:
     for name, chunks in t.tied_copies:
         if not _tied_copy_equal(t, chunks, files):
             where = next((p.path for c in chunks for p in c.pieces if isinstance(p, Piece)), t.name)
+            if name == t.name:  # a replica of the tensor itself (a DTensor's Replicate mesh dim)
+                raise LayoutError(
+                    f"{where}: its copy of {t.name} differs from the copy written (the ranks were meant to hold "
+                    "replicas); export is refused: check which rank diverged, or export an earlier save")
             raise LayoutError(
                 f"{where}: {name} differs from {t.name}, which config.json ties it to (tie_word_embeddings): "
                 f"save_pretrained writes {t.name} alone and from_pretrained loads it into both, so {name} would be "

@@ -1,0 +1,140 @@
+"""Per-rank ``torch.save`` FSDP state dicts (hf_ckpt_integrations/sources/fsdp_rank_files.py).
+
+Engine cases (tests/engines/fsdp_rank_files.py, real torchrun processes on CPU/gloo): FSDP2 saved
+as verl's ``FSDPCheckpointManager`` saves it (vocabulary 1001 on ``Shard(1)`` by verl's placement
+function; an HSDP ``("ddp", "fsdp")`` mesh on 4 ranks: ``(Replicate(), Shard(...))``) and as
+Accelerate's ``save_fsdp_model(use_dcp=False)`` saves it; each export bitwise equal to the
+engine's own full state dict and loaded with ``from_pretrained``.
+
+Pure: :func:`local_indices` against torch's own sharding of an index tensor (milliseconds).
+"""
+
+import itertools
+import json
+import shutil
+
+import pytest
+import torch
+
+from helpers import assert_bitwise_equal, export_refused, hf_ckpt, load_hf_state, load_safetensors
+from hf_ckpt_integrations.sources.fsdp_rank_files import local_indices
+
+
+# ---------------------------------------------------------------- placement arithmetic
+
+
+def _torch_local(shape, mesh_shape, coord, placements):
+    """The global flat indices rank ``coord`` holds, by torch's own split of an index tensor."""
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    t = torch.arange(int(torch.tensor(shape).prod())).view(shape)
+    for mesh_dim, (kind, dim, factor) in enumerate(placements):
+        if kind == "replicate":
+            continue
+        p = Shard(dim) if kind == "shard" else _StridedShard(dim, split_factor=factor)
+        t = p._split_tensor(t, mesh_shape[mesh_dim], with_padding=False, contiguous=False)[0][coord[mesh_dim]]
+    return t.reshape(-1).tolist()
+
+
+LAYOUTS = [
+    ((1001, 64), (2,), [("shard", 0, 0)]),
+    ((1001, 64), (2,), [("shard", 1, 0)]),
+    ((5, 3), (4,), [("shard", 0, 0)]),  # uneven: 2, 2, 1, 0 rows
+    ((7, 6), (2, 2), [("replicate", -1, 0), ("shard", 0, 0)]),  # HSDP
+    ((10, 6), (2, 2), [("shard", 0, 0), ("shard", 1, 0)]),
+    ((10, 6), (2, 3), [("strided", 0, 3), ("shard", 0, 0)]),  # FSDP x TP on one dim
+    ((9, 4), (2, 2), [("strided", 0, 2), ("shard", 0, 0)]),  # ... uneven
+    ((8, 6), (2, 2), [("shard", 1, 0), ("shard", 0, 0)]),
+]
+
+
+@pytest.mark.parametrize("shape,mesh,placements", LAYOUTS, ids=[str(i) for i in range(len(LAYOUTS))])
+def test_local_indices_are_torchs_own_split(shape, mesh, placements):
+    for coord in itertools.product(*(range(n) for n in mesh)):
+        idx = local_indices(shape, mesh, coord, placements)
+        strides = [int(torch.tensor(shape[d + 1:]).prod()) for d in range(len(shape))]
+        flat = [sum(i * s for i, s in zip(pos, strides)) for pos in itertools.product(*idx)]
+        assert flat == _torch_local(shape, mesh, coord, placements), (coord, placements)
+
+
+# ---------------------------------------------------------------- real saves
+
+
+def _check_export(case, src, out, *args):
+    r = hf_ckpt("export", src, out, *args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ref = load_safetensors(case / "reference.safetensors")
+    got = load_safetensors(out / "model.safetensors")
+    assert set(got) == set(ref) - ({"lm_head.weight"} if "lm_head.weight" not in got else set())
+    assert_bitwise_equal(got, {k: v for k, v in ref.items() if k in got})
+    assert all(got[k].dtype == torch.float32 for k in got)  # stored dtype kept (bf16 compute, fp32 params)
+    assert_bitwise_equal(load_hf_state(out, torch.float32), ref)
+    return r
+
+
+@pytest.mark.parametrize("entry", ["ckpt", "ckpt/global_step_2", "ckpt/global_step_2/actor"])
+def test_verl_export_is_the_engines_weights(engine_ckpt, tmp_path, entry):
+    case = engine_ckpt("rank-verl")
+    _check_export(case, case / entry, tmp_path / "out")  # config from actor/huggingface, no --config
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == \
+        (case / "ckpt/global_step_2/actor/huggingface/tokenizer.json").read_bytes()
+
+
+def test_verl_hsdp_replicas_written_once(engine_ckpt, tmp_path):
+    case = engine_ckpt("rank-verl-hsdp")
+    _check_export(case, case / "ckpt", tmp_path / "out")
+    info = json.loads(hf_ckpt("inspect", case / "ckpt", "--json").stdout)
+    assert info["mesh"] == [2, 2] and info["mesh_dim_names"] == ["ddp", "fsdp"]
+    assert all(p.startswith("Replicate(), Shard(") for p in info["placements"]), info["placements"]
+
+
+def test_verl_hsdp_diverged_replica_refused(engine_ckpt, tmp_path):
+    """A replica that differs from the copy written is refused, naming the file."""
+    src = tmp_path / "actor"
+    shutil.copytree(engine_ckpt("rank-verl-hsdp") / "ckpt/global_step_2/actor", src)
+    sd = torch.load(src / "model_world_size_4_rank_2.pt", weights_only=False)
+    name = "model.norm.weight"
+    sd[name]._local_tensor.add_(1)
+    torch.save(sd, src / "model_world_size_4_rank_2.pt")
+    export_refused(src, tmp_path / "out", match=("model_world_size_4_rank_2.pt", name, "replicas"))
+
+
+def test_accelerate_use_dcp_false_export_is_the_engines_weights(engine_ckpt, tmp_path):
+    case = engine_ckpt("rank-accelerate")
+    _check_export(case, case / "state", tmp_path / "out", "--config", case / "config")
+
+
+@pytest.fixture
+def verl_actor(engine_ckpt, tmp_path):
+    src = tmp_path / "actor"
+    shutil.copytree(engine_ckpt("rank-verl") / "ckpt/global_step_2/actor", src)
+    return src
+
+
+def test_missing_rank_file_refused(verl_actor, tmp_path):
+    (verl_actor / "model_world_size_2_rank_1.pt").unlink()
+    export_refused(verl_actor, tmp_path / "out", match=("model_world_size_2_rank_1.pt", "missing"))
+
+
+def test_world_size_disagreeing_with_fsdp_config_refused(verl_actor, tmp_path):
+    (verl_actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 4}))
+    export_refused(verl_actor, tmp_path / "out", match=("fsdp_config.json", "world_size 4"))
+
+
+def test_swapped_rank_files_refused(verl_actor, tmp_path):
+    """Each file's mesh records its rank and coordinate: renamed files are not placed by their names."""
+    a, b = verl_actor / "model_world_size_2_rank_0.pt", verl_actor / "model_world_size_2_rank_1.pt"
+    a.rename(tmp_path / "t")
+    b.rename(a)
+    (tmp_path / "t").rename(b)
+    export_refused(verl_actor, tmp_path / "out", match=("model_world_size_2_rank_0.pt", "renamed or mixed"))
+
+
+def test_overlapping_shards_refused(verl_actor, tmp_path):
+    """Two ranks holding the same shard (a copy of rank 0's file under rank 1's name, its recorded
+    rank edited to match) leave a gap and an overlap: refused, never exported."""
+    sd = torch.load(verl_actor / "model_world_size_2_rank_0.pt", weights_only=False)
+    for v in sd.values():
+        v._spec.mesh._rank = 1
+    torch.save(sd, verl_actor / "model_world_size_2_rank_1.pt")
+    export_refused(verl_actor, tmp_path / "out", match=("do not tile", "duplicated or from another save"))
