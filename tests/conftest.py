@@ -135,6 +135,10 @@ CASES = {
     "rank-verl": ("fsdp_rank_files.py", 2, ["--mode", "verl"]),
     "rank-verl-hsdp": ("fsdp_rank_files.py", 4, ["--mode", "verl", "--fsdp-size", "2"]),  # (Replicate, Shard)
     "rank-accelerate": ("fsdp_rank_files.py", 2, ["--mode", "accelerate"]),
+    "rank-accelerate-fsdp1": ("fsdp_rank_files.py", 2, ["--mode", "accelerate-fsdp1"]),  # ShardedTensor
+    "rank-fsdp-tp": ("fsdp_rank_files.py", 4, ["--mode", "fsdp-tp"]),  # ("dp", "tp"): _StridedShard
+    # DeepSpeed's "checkpoint_serialization": false: torch.save's legacy (non-zip) format.
+    "z2-legacy": ("ds_legacy_save.py", 2, ["--stage", "2"]),
     # FSDP2 save-time: install_accelerate_hooks + save_model; the Trainer callback, then a resumed run.
     "fsdp2-accelerate-hooks": ("fsdp_savetime.py", 2, ["--mode", "accelerate-hooks"]),
     "fsdp2-trainer-cb": ("fsdp_savetime.py", 2, ["--mode", "trainer-cb"]),
@@ -159,8 +163,9 @@ def _cache_key(script: str) -> str:
     paths = [ENGINES / script, ENGINES / "common.py"]
     if "import families" in (ENGINES / script).read_text():
         paths.append(ENGINES / "families.py")
-    if "import fsdp_train" in (ENGINES / script).read_text():
-        paths.append(ENGINES / "fsdp_train.py")
+    for shared in ("fsdp_train", "ds_train"):  # a script that runs another's code is keyed by it too
+        if f"import {shared}" in (ENGINES / script).read_text():
+            paths.append(ENGINES / f"{shared}.py")
     if any(CASES[name][0] == script for name in ACCELERATE):
         paths += sorted(ACCELERATE_CONFIGS.iterdir())
     if "hf_ckpt_integrations" in (ENGINES / script).read_text():

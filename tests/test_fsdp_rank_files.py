@@ -138,3 +138,48 @@ def test_overlapping_shards_refused(verl_actor, tmp_path):
         v._spec.mesh._rank = 1
     torch.save(sd, verl_actor / "model_world_size_2_rank_1.pt")
     export_refused(verl_actor, tmp_path / "out", match=("do not tile", "duplicated or from another save"))
+
+
+def test_fsdp1_sharded_tensor_export_is_the_engines_weights(engine_ckpt, tmp_path):
+    """FSDP1 SHARDED_STATE_DICT through Accelerate's save_fsdp_model(use_dcp=False): ShardedTensors."""
+    case = engine_ckpt("rank-accelerate-fsdp1")
+    _check_export(case, case / "state", tmp_path / "out", "--config", case / "config")
+    info = json.loads(hf_ckpt("inspect", case / "state", "--json").stdout)
+    assert info["placements"] == {"ShardedTensor": info["tensor_count"]}
+
+
+def test_fsdp_tp_2d_mesh_export_is_the_engines_weights(engine_ckpt, tmp_path):
+    """A ("dp", "tp") mesh: TP-sharded weights on both dims (_StridedShard over dp), the rest on the
+    "dp" sub-mesh, held by both TP ranks of a DP group (copies, checked equal)."""
+    case = engine_ckpt("rank-fsdp-tp")
+    _check_export(case, case / "ckpt", tmp_path / "out")
+    info = json.loads(hf_ckpt("inspect", case / "ckpt", "--json").stdout)
+    assert info["mesh"] == [2, 2] and info["mesh_dim_names"] == ["dp", "tp"]
+    assert set(info["placements"]) == {"Shard(0)", "Shard(0), Shard(1)", "_StridedShard(0, 2), Shard(0)"}
+
+
+def test_partial_placement_refused(verl_actor, tmp_path):
+    from torch.distributed.tensor import Partial
+
+    for r in (0, 1):
+        path = verl_actor / f"model_world_size_2_rank_{r}.pt"
+        sd = torch.load(path, weights_only=False)
+        sd["model.norm.weight"]._spec.placements = (Partial(),)
+        torch.save(sd, path)
+    export_refused(verl_actor, tmp_path / "out", match=("model_world_size_2_rank_0.pt", "Partial"))
+
+
+def test_getattr_of_anything_else_refused(tmp_path):
+    """ShardedTensor's pickle calls getattr(ShardedTensor, "ProcessGroupState"); no other getattr."""
+    import zipfile
+
+    from hf_ckpt_integrations.errors import UnsafeCheckpointError
+    from hf_ckpt_integrations.formats import torch_files
+    from hf_ckpt_integrations.sources.fsdp_rank_files import ALLOWED
+
+    pkl = (b"\x80\x02c__builtin__\ngetattr\nctorch.distributed._shard.sharded_tensor.api\nShardedTensor\n"
+           b"X\x08\x00\x00\x00__init__\x86R.")
+    with zipfile.ZipFile(tmp_path / "a.pt", "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("archive/data.pkl", pkl)
+    with pytest.raises(UnsafeCheckpointError, match="getattr"):
+        torch_files.load(tmp_path / "a.pt", allowed=ALLOWED)

@@ -19,9 +19,11 @@ DTensor, args, state)``; :data:`ALLOWED` rebuilds them, the mesh and the placeme
 stand-ins (nothing is called, torch.distributed is never imported), and :func:`local_indices`
 places each rank's shard with torch's own arithmetic (``compute_local_shape_and_global_offset``:
 mesh dims left to right, ``torch.chunk`` sizes, so uneven last shards and empty ones come out as
-torch made them). ``Replicate`` copies are written once and checked bitwise equal to the written
-one (``TensorPlan.tied_copies`` under the tensor's own name); ``Partial`` (unreduced sums) is
-refused. Plain tensors (buffers) are held whole by every rank: the same.
+torch made them). Blocks held by several ranks (a ``Replicate`` mesh dim, a DTensor on FSDP's "dp"
+sub-mesh beside "tp", a plain tensor every rank holds whole) are written once and every other copy
+is checked bitwise equal to it (``TensorPlan.tied_copies`` under the tensor's own name);
+``Partial`` (unreduced sums) is refused. FSDP1 ``SHARDED_STATE_DICT`` without a mesh saves
+``ShardedTensor`` s: their local shards are placed at the offsets their ``ShardMetadata`` records.
 
 Refused, naming the file: a rank file missing, a world size that disagrees with
 ``fsdp_config.json``, shards that overlap or leave a gap (:func:`~..plan.check_tiling`), a shard
@@ -37,12 +39,12 @@ import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import guards
-from ..errors import CheckpointError, LayoutError, one_line, short_repr
+from ..errors import CheckpointError, LayoutError, UnsafeCheckpointError, one_line, short_repr
 from ..formats import torch_files
 from ..formats.dtypes import MAX_NDIM
 from ..formats.unpickler import StandIn
 from ..plan import Chunk, ExportPlan, Piece, TensorPlan, check_tiling, row_major_pieces
-from .dcp import _layout
+from .dcp import _layout, _mem_format
 
 __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "OPTIONS", "ALLOWED", "detect",
            "config_candidates", "plan", "find_rank_files", "local_indices", "DTensorRef"]
@@ -96,7 +98,10 @@ def _obj_type(name):
 
 
 _TYPES = {n: _obj_type(n) for n in ("DeviceMesh", "_MeshLayout", "_FlatLayout", "DTensorSpec", "TensorMeta",
-                                    "ShardOrderEntry", "Shard", "_StridedShard", "Replicate", "Partial")}
+                                    "ShardOrderEntry", "Shard", "_StridedShard", "Replicate", "Partial",
+                                    # FSDP1 SHARDED_STATE_DICT without a device mesh: ShardedTensor's parts
+                                    "LocalShard", "ShardMetadata", "ShardedTensorMetadata", "TensorProperties",
+                                    "_remote_device", "ChunkShardingSpec", "ProcessGroupState")}
 
 
 class _Marker:
@@ -110,6 +115,16 @@ class _Marker:
 
 
 _DTENSOR = _Marker("DTensor")
+_SHARDED = _Marker("ShardedTensor")
+
+
+def _getattr(obj, name):
+    # ShardedTensor pickles its process-group record as getattr(ShardedTensor, "ProcessGroupState"):
+    # that one attribute of that one marker, nothing else.
+    if obj is _SHARDED and name == "ProcessGroupState":
+        return _TYPES["ProcessGroupState"]
+    raise UnsafeCheckpointError(f"refused for safety: its pickle asks for getattr({short_repr(obj)}, "
+                                f"{short_repr(name)}); the file was not executed")
 
 
 class _WrapperArgs(StandIn):
@@ -131,15 +146,26 @@ class DTensorRef(StandIn):
         self.shape, self.dtype, self.local, self.spec = shape, dtype, local, spec
 
 
+class ShardedRef(StandIn):
+    """A ShardedTensor of a rank file: global ``shape`` and ``dtype`` and ``shards``, the rank's local
+    shards (``LocalShard`` stand-ins: a tensor and its ``ShardMetadata`` offsets and sizes)."""
+
+    def __init__(self, shape, dtype, shards):
+        self.shape, self.dtype, self.shards = shape, dtype, shards
+
+
 def _rebuild_from_type_v2(func, new_type, args, state):
     # torch pickles a tensor subclass as (rebuild function, class, args, state): a DTensor through
     # _rebuild_wrapper_subclass with its local shard and spec in the (dict, slots) state; every
     # other tensor as torch_files reads it.
     if func is not _rebuild_wrapper_subclass:
         return torch_files.TORCH_ALLOWED["torch._tensor"]["_rebuild_from_type_v2"](func, new_type, args, state)
-    if new_type is not _DTENSOR or type(args) is not tuple or len(args) < 3:
+    if new_type not in (_DTENSOR, _SHARDED) or type(args) is not tuple or len(args) < 3:
         raise CheckpointError(f"a tensor subclass {short_repr(new_type)} rebuilt from {short_repr(args)}; "
-                              "only DTensor is read")
+                              "only DTensor and ShardedTensor are read")
+    if new_type is _SHARDED:  # state: (local shards, ShardedTensorMetadata, pg state, sharding spec, rrefs)
+        shards = state[0] if type(state) is tuple and state else None
+        return ShardedRef(args[2], args[1], shards)
     holder = _TYPES["DTensorSpec"]()  # reads the (dict, slots) state the same way as a spec's
     holder.state = state
     return DTensorRef(args[2], args[1], holder.field("_local_tensor"), holder.field("_spec"))
@@ -173,6 +199,15 @@ ALLOWED = _merge(
            ["DTensorSpec", "TensorMeta", "ShardOrderEntry"], _TYPES.get),
     _named(["torch.distributed.device_mesh", "torch.distributed._tensor.device_mesh"], ["DeviceMesh"], _TYPES.get),
     _named(["torch.distributed._mesh_layout"], ["_MeshLayout", "_FlatLayout"], _TYPES.get),
+    {"torch.distributed._shard.sharded_tensor.api": {"ShardedTensor": _SHARDED},
+     "torch.distributed._shard.sharded_tensor.shard": {"Shard": _TYPES["LocalShard"]},
+     "torch.distributed._shard.metadata": {"ShardMetadata": _TYPES["ShardMetadata"]},
+     "torch.distributed._shard.sharded_tensor.metadata": {
+         "ShardedTensorMetadata": _TYPES["ShardedTensorMetadata"], "TensorProperties": _TYPES["TensorProperties"],
+         "MEM_FORMAT_ENCODING": _mem_format},
+     "torch.distributed._shard.sharding_spec.chunk_sharding_spec": {"ChunkShardingSpec": _TYPES["ChunkShardingSpec"]},
+     "torch.distributed.remote_device": {"_remote_device": _TYPES["_remote_device"]},
+     "builtins": {"getattr": _getattr}},
 )
 
 
@@ -333,10 +368,10 @@ def _box_pieces(ref, lo: Sequence[int], hi: Sequence[int]) -> List[Piece]:
 # ---- reading one rank's DTensors ---------------------------------------------------------------
 
 class _Shard:
-    """One rank's piece of one tensor, read from its file: where its blocks land and which copy it is."""
+    """One rank's piece of one tensor, read from its file: where its blocks land."""
 
-    def __init__(self, shape, dtype, chunks, replica, describe):
-        self.shape, self.dtype, self.chunks, self.replica, self.describe = shape, dtype, chunks, replica, describe
+    def __init__(self, shape, dtype, chunks, describe):
+        self.shape, self.dtype, self.chunks, self.describe = shape, dtype, chunks, describe
 
 
 def _ints(value, what, where) -> Tuple[int, ...]:
@@ -421,16 +456,38 @@ def _dtensor_shard(name, t: DTensorRef, where, rank) -> Tuple[_Shard, dict]:
         hi = tuple(c[0] + c[2] for c in combo)
         chunks.append(Chunk(tuple(_box_pieces(local, lo, hi)), tuple(c[1] for c in combo),
                             tuple(c[2] for c in combo)))
-    replica = tuple(c for c, p in zip(coord, placed) if p[0] == "replicate")
     facts = {"mesh": list(mesh_shape), "dim_names": list(dim_names),
              "placements": [_describe(p) for p in placed]}
-    return _Shard(shape, local.dtype, chunks, replica, ", ".join(facts["placements"])), facts
+    return _Shard(shape, local.dtype, chunks, ", ".join(facts["placements"])), facts
+
+
+def _sharded_shard(name, t: ShardedRef, where, rank) -> _Shard:
+    """A ShardedTensor's local shards, each placed at the offsets its ShardMetadata records."""
+    shape = _ints(tuple(t.shape) if type(t.shape) in (tuple, list) else t.shape, f"{name} size", where)
+    if type(t.shards) is not list:
+        raise LayoutError(f"{where}: ShardedTensor {name} has no list of local shards; the file is corrupt")
+    chunks = []
+    for s in t.shards:
+        ref, md = getattr(s, "field", lambda n: None)("tensor"), getattr(s, "field", lambda n: None)("metadata")
+        if not isinstance(ref, torch_files.TensorRef) or not isinstance(md, _TYPES["ShardMetadata"]):
+            raise LayoutError(f"{where}: a local shard of {name} is {short_repr(s)}; the file is corrupt or crafted")
+        off = _ints(md.field("shard_offsets"), "shard offsets", where)
+        sizes = _ints(md.field("shard_sizes"), "shard sizes", where)
+        dev = md.field("placement")
+        owner = dev.field("_rank") if isinstance(dev, _TYPES["_remote_device"]) else None
+        if sizes != ref.shape or len(off) != len(shape) or ref.dtype != str(t.dtype) or \
+                (type(owner) is int and owner != rank):
+            raise LayoutError(f"{where}: a local shard of {name} holds {ref.dtype} {list(ref.shape)} for rank "
+                              f"{short_repr(owner)}, its metadata says {list(sizes)} at {list(off)} of a {t.dtype} "
+                              f"tensor on rank {rank}'s file; files were renamed or mixed: copy the checkpoint again")
+        chunks.append(Chunk(tuple(_box_pieces(ref, (0,) * len(sizes), sizes)), off, sizes))
+    return _Shard(shape, str(t.dtype), chunks, "ShardedTensor")
 
 
 def _plain_shard(ref: torch_files.TensorRef, rank) -> _Shard:
-    """A plain tensor (a buffer) every rank holds whole: rank ``r``'s copy is replica ``r``."""
+    """A plain tensor (a buffer) every rank holds whole: each rank's is a copy."""
     pieces = _box_pieces(ref, (0,) * len(ref.shape), ref.shape)
-    return _Shard(ref.shape, ref.dtype, [Chunk(tuple(pieces), (0,) * len(ref.shape), tuple(ref.shape))], (rank,),
+    return _Shard(ref.shape, ref.dtype, [Chunk(tuple(pieces), (0,) * len(ref.shape), tuple(ref.shape))],
                   "whole on every rank")
 
 
@@ -445,6 +502,9 @@ def _read_rank(path, rank) -> Tuple[Dict[str, _Shard], dict, int]:
         if isinstance(value, DTensorRef):
             out[name], f = _dtensor_shard(one_line(name[:200]), value, path, rank)
             facts.setdefault(", ".join(f["placements"]), f)
+        elif isinstance(value, ShardedRef):
+            out[name] = _sharded_shard(one_line(name[:200]), value, path, rank)
+            facts.setdefault("ShardedTensor", {"mesh": None, "dim_names": [], "placements": ["ShardedTensor"]})
         elif isinstance(value, torch_files.TensorRef):
             out[name] = _plain_shard(value, rank)
         else:
@@ -478,7 +538,7 @@ def plan(ctx) -> ExportPlan:
         out.append(_tensor(name, [shards[name] for shards in ranks], files))
         split += out[-1].chunks is not None and len(out[-1].chunks) > 1
     dtypes = {t.src_dtype for t in out}
-    mesh = next(iter(facts.values()), None)
+    mesh = max((f for f in facts.values() if f["mesh"]), key=lambda f: len(f["mesh"]), default=None)  # the widest
     notes = [f"per-rank torch.save files ({layout}): {world} ranks"
              + (f", mesh {mesh['mesh']}" + (f" {mesh['dim_names']}" if mesh["dim_names"] else "") if mesh else "")
              + f"; placements: {'; '.join(sorted(facts)) or 'none (plain tensors)'}"]
@@ -487,18 +547,20 @@ def plan(ctx) -> ExportPlan:
     others = [d for d in ("critic",) if os.path.isdir(os.path.join(os.path.dirname(model_dir), d))]
     if others and os.path.basename(model_dir) in _MODEL_DIRS:
         notes.append(f"exported {os.path.basename(model_dir)}/; {', '.join(others)}/ beside it is not exported")
-    detail = {"world_size": world, "layout": layout}
+    detail = {"world_size": world, "layout": layout,
+              "placements": {k: sum(1 for n in names if ranks[0][n].describe == k) for k in sorted(facts)}}
     if mesh:
-        detail.update({"mesh": mesh["mesh"], "mesh_dim_names": mesh["dim_names"],
-                       "placements": {k: sum(1 for n in names if ranks[0][n].describe == k) for k in sorted(facts)}})
+        detail.update({"mesh": mesh["mesh"], "mesh_dim_names": mesh["dim_names"]})
     return ExportPlan(engine=NAME, source=os.path.abspath(ctx.path), tag=None, tensors=out,
                       dtypes={"module": dtypes.pop()} if len(dtypes) == 1 else {}, config_dir=ctx.config_dir,
                       files=files, notes=notes, detail=detail)
 
 
 def _tensor(name, shards: List[_Shard], files) -> TensorPlan:
-    """One output tensor from every rank's shard: the copy whose replica coordinates are all 0 is
-    written, each other copy is checked equal to it (``tied_copies`` under its own name)."""
+    """One output tensor from every rank's shard. Ranks holding the same block (the same offsets and
+    sizes: a Replicate mesh dim, a DTensor on a sub-mesh such as FSDP's "dp" beside "tp", a buffer)
+    hold copies: the lowest rank's is written, every other is checked bitwise equal to it
+    (``tied_copies`` under the tensor's own name). The distinct blocks must tile the tensor."""
     first = shards[0]
     shown = one_line(name[:100])
     for r, s in enumerate(shards):
@@ -506,23 +568,23 @@ def _tensor(name, shards: List[_Shard], files) -> TensorPlan:
             raise LayoutError(f"{files[r]}: {shown} is {s.dtype} {list(s.shape)} placed {s.describe}, in rank 0's file "
                               f"{first.dtype} {list(first.shape)} placed {first.describe}; files of different saves "
                               "are mixed: copy the checkpoint again")
-    groups: Dict[tuple, List[Chunk]] = {}
+    held: Dict[tuple, List[Chunk]] = {}
     for s in shards:
-        groups.setdefault(s.replica, []).extend(c for c in s.chunks if c.numel)
-    for key, chunks in groups.items():
-        try:
-            check_tiling(first.shape, chunks)
-        except ValueError as e:
-            raise LayoutError(f"{os.path.dirname(files[0])}: the shards of {shown} ({first.describe}"
-                              + (f", copy {list(key)}" if key and len(groups) > 1 else "")
-                              + f") do not tile its size {list(first.shape)} ({e}); a rank's file is missing, "
-                              "duplicated or from another save: copy the checkpoint again") from None
-    keys = sorted(groups)
-    primary = groups[keys[0]]
+        for c in s.chunks:
+            if c.numel:
+                held.setdefault((c.offsets, c.sizes), []).append(c)
+    primary = [copies[0] for copies in held.values()]
+    try:
+        check_tiling(first.shape, primary)
+    except ValueError as e:
+        raise LayoutError(f"{os.path.dirname(files[0])}: the shards of {shown} ({first.describe}) do not tile its "
+                          f"size {list(first.shape)} ({e}); a rank's file is missing, duplicated or from another "
+                          "save: copy the checkpoint again") from None
     flat = row_major_pieces(first.shape, primary)
     if flat is not None:
         t = TensorPlan(name, first.shape, first.dtype, [flat], kind="module")
     else:
         t = TensorPlan.from_chunks(name, first.shape, first.dtype, primary, kind="module")
-    t.tied_copies.extend((name, groups[k]) for k in keys[1:])
+    for k in range(1, max((len(c) for c in held.values()), default=1)):
+        t.tied_copies.append((name, [c[k] if k < len(c) else c[0] for c in held.values()]))
     return t

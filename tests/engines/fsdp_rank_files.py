@@ -56,9 +56,9 @@ def _tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-def _train(model, opt):
+def _train(model, opt, data_rank=None):
     for step in range(2):
-        ids = common.fixed_batch(step, rank=dist.get_rank())
+        ids = common.fixed_batch(step, rank=dist.get_rank() if data_rank is None else data_rank)
         model(ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
@@ -130,16 +130,79 @@ def run_accelerate(out: Path):
     fsdp_train._reference(model, out)
 
 
+def run_accelerate_fsdp1(out: Path):
+    """FSDP1 (no device mesh) saved by Accelerate's own ``save_fsdp_model(use_dcp=False)`` under
+    SHARDED_STATE_DICT: ShardedTensors. The Accelerator is not prepared (FSDP1 on CPU through
+    ``prepare`` is not supported by Accelerate 1.16); save_fsdp_model reads ``process_index`` only."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin, save_fsdp_model
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+
+    from accelerate.state import PartialState
+
+    dist.init_process_group("gloo")
+    PartialState(cpu=True)  # Accelerate's logger needs its state
+    model = FSDP(fsdp_train._model(), device_id=torch.device("cpu"), use_orig_params=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=1, state_dict_type="SHARDED_STATE_DICT")
+    accelerator = SimpleNamespace(process_index=dist.get_rank(), num_processes=dist.get_world_size())
+    save_fsdp_model(plugin, accelerator, model, str(out / "state"), use_dcp=False)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                              FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
+        full = model.state_dict()
+    if dist.get_rank() == 0:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in full.items()}, str(out / "reference.safetensors"))
+        model.module.config.save_pretrained(str(out / "config"))
+
+
+def run_fsdp_tp(out: Path):
+    """A 2-D ("dp", "tp") mesh: tensor parallel inside each layer (torch's ColwiseParallel /
+    RowwiseParallel), then ``fully_shard`` over "dp"; saved as verl saves (``model.state_dict()`` per
+    rank): placements such as ``(_StridedShard(0), Shard(0))``, ``(Shard(0), Shard(1))`` and
+    ``(Shard(0), Replicate())``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    model = fsdp_train._model()
+    plan = {**{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+            "self_attn.o_proj": RowwiseParallel(),
+            **{f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")}, "mlp.down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tp"], plan)
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, data_rank=mesh.get_coordinate()[0])  # one batch per TP group
+    local = out / "ckpt" / "global_step_2" / "actor"
+    local.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    torch.save(model.state_dict(), local / f"model_world_size_{world}_rank_{rank}.pt")
+    if rank == 0:
+        (local / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}, indent=4))
+        model.config.save_pretrained(local / "huggingface")
+        (out / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
+    dist.barrier()
+    fsdp_train._reference(model, out)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
-    p.add_argument("--mode", choices=("verl", "accelerate"), required=True)
+    p.add_argument("--mode", choices=("verl", "accelerate", "accelerate-fsdp1", "fsdp-tp"), required=True)
     p.add_argument("--fsdp-size", type=int, default=-1)
     args = p.parse_args()
     if args.mode == "verl":
         run_verl(args.out, args.fsdp_size)
     else:
-        run_accelerate(args.out)
+        {"accelerate": run_accelerate, "accelerate-fsdp1": run_accelerate_fsdp1, "fsdp-tp": run_fsdp_tp}[args.mode](args.out)
     fsdp_train.finish()
 
 
