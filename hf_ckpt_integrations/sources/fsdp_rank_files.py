@@ -44,7 +44,11 @@ from ..formats import torch_files
 from ..formats.dtypes import MAX_NDIM
 from ..formats.unpickler import StandIn
 from ..plan import Chunk, ExportPlan, Piece, TensorPlan, check_tiling, row_major_pieces
-from .dcp import _layout, _mem_format
+from . import dcp
+
+# torch's layout and memory-format names, rebuilt as the DCP source's metadata rebuilds them
+_layout = dcp.ALLOWED["torch.serialization"]["_get_layout"]
+_mem_format = dcp.ALLOWED["torch.distributed._shard.sharded_tensor.metadata"]["MEM_FORMAT_ENCODING"]
 
 __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "OPTIONS", "ALLOWED", "detect",
            "config_candidates", "plan", "find_rank_files", "local_indices", "DTensorRef"]
