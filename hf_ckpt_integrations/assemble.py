@@ -100,7 +100,11 @@ def check_replicas(t: TensorPlan, files: MappedFiles) -> None:
     for name, chunks in t.tied_copies:
         if not _tied_copy_equal(t, chunks, files):
             where = next((p.path for c in chunks for p in c.pieces if isinstance(p, Piece)), t.name)
-            if name == t.name:  # a replica of the tensor itself (a DTensor's Replicate mesh dim)
+            if name == t.name:  # a replica of the tensor itself (a DTensor's Replicate mesh dim): name its block's file
+                own = {(tuple(c.offsets), tuple(c.sizes)): c for c in t.placement()}
+                where = next((c.pieces[0].path for c in chunks if c.pieces and (tuple(c.offsets), tuple(c.sizes)) in own
+                              and _read_all(c.pieces, files) != _read_all(own[tuple(c.offsets), tuple(c.sizes)].pieces,
+                                                                           files)), where)
                 raise LayoutError(
                     f"{where}: its copy of {t.name} differs from the copy written (the ranks were meant to hold "
                     "replicas); export is refused: check which rank diverged, or export an earlier save")

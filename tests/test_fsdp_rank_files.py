@@ -166,7 +166,7 @@ def test_partial_placement_refused(verl_actor, tmp_path):
         sd = torch.load(path, weights_only=False)
         sd["model.norm.weight"]._spec.placements = (Partial(),)
         torch.save(sd, path)
-    export_refused(verl_actor, tmp_path / "out", match=("model_world_size_2_rank_0.pt", "Partial"))
+    export_refused(verl_actor, tmp_path / "out", match=("model_world_size_2_rank_0.pt", "Partial placement (per-rank partial sums"))
 
 
 def test_getattr_of_anything_else_refused(tmp_path):
@@ -183,3 +183,111 @@ def test_getattr_of_anything_else_refused(tmp_path):
         zf.writestr("archive/data.pkl", pkl)
     with pytest.raises(UnsafeCheckpointError, match="getattr"):
         torch_files.load(tmp_path / "a.pt", allowed=ALLOWED)
+
+
+# ---------------------------------------------------------------- synthetic rank files (no engine run)
+
+
+def write_rank_files(directory, tensors, mesh_shape, *, world=None, local_of=None):
+    """verl-named rank files of ``tensors`` (``{name: (full tensor, placements)}``) as FSDP would hold
+    them on a ``mesh_shape`` mesh: each rank's DTensor built by torch (a fake process group, one rank at
+    a time) around the local shard torch's own placements cut. ``local_of(name, rank, local)``: what a
+    rank saves instead (a damaged save)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world = world or int(torch.tensor(mesh_shape).prod())
+    directory.mkdir(parents=True, exist_ok=True)
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            mesh = init_device_mesh("cpu", tuple(mesh_shape))
+            coord = mesh.get_coordinate()
+            sd = {}
+            for name, (full, placements) in tensors.items():
+                local = full
+                for mesh_dim, p in enumerate(placements):
+                    if hasattr(p, "dim"):  # Shard and _StridedShard (not a Shard subclass in torch 2.13)
+                        local = p._split_tensor(local, mesh_shape[mesh_dim], with_padding=False)[0][coord[mesh_dim]]
+                local = local.contiguous().clone()
+                if local_of is not None:
+                    local = local_of(name, rank, local)
+                sd[name] = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape,
+                                              stride=full.stride())
+            torch.save(sd, directory / f"model_world_size_{world}_rank_{rank}.pt")
+        finally:
+            dist.destroy_process_group()
+    return directory
+
+
+def _layouts():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(7, 6, generator=g), torch.randn(9, 4, generator=g).to(torch.bfloat16)
+    return {
+        "1d-uneven": ((4,), {"a": (a, [Shard(0)]), "b": (b, [Shard(1)])}),  # 2, 2, 2, 1 rows; 1-column shards
+        "hsdp": ((2, 2), {"a": (a, [Replicate(), Shard(0)]), "b": (b, [Replicate(), Shard(1)])}),
+        "fsdp-tp": ((2, 2), {"a": (a, [_StridedShard(0, split_factor=2), Shard(0)]), "b": (b, [Shard(0), Shard(1)])}),
+    }
+
+
+@pytest.mark.parametrize("layout", ["1d-uneven", "hsdp", "fsdp-tp"])
+def test_synthetic_layouts_export_bitwise(tmp_path, layout):
+    from hf_ckpt_integrations import export_checkpoint
+
+    mesh, tensors = _layouts()[layout]
+    src = write_rank_files(tmp_path / "actor", tensors, mesh)
+    export_checkpoint(str(src), str(tmp_path / "out"))
+    got = load_safetensors(tmp_path / "out" / "model.safetensors")
+    assert_bitwise_equal(got, {n: full for n, (full, _) in tensors.items()})
+
+
+def test_synthetic_diverged_replica_refused(tmp_path):
+    mesh, tensors = _layouts()["hsdp"]
+    src = write_rank_files(tmp_path / "actor", tensors, mesh,
+                           local_of=lambda name, rank, t: t + 1 if (name, rank) == ("a", 3) else t)
+    export_refused(src, tmp_path / "out", match=("model_world_size_4_rank_3.pt", "its copy of a differs"))
+
+
+def test_synthetic_partial_refused(tmp_path):
+    from torch.distributed.tensor import Partial
+
+    src = write_rank_files(tmp_path / "actor", {"a": (torch.ones(4, 2), [Partial()])}, (2,))
+    export_refused(src, tmp_path / "out", match=("model_world_size_2_rank_0.pt", "Partial placement (per-rank partial sums"))
+
+
+def test_synthetic_missing_rank_and_world_size_refused(tmp_path):
+    mesh, tensors = _layouts()["1d-uneven"]
+    src = write_rank_files(tmp_path / "actor", tensors, mesh)
+    (src / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 2}))
+    export_refused(src, tmp_path / "out", match=("fsdp_config.json", "world_size 2"))
+    (src / "fsdp_config.json").unlink()
+    (src / "model_world_size_4_rank_2.pt").unlink()
+    export_refused(src, tmp_path / "out", match=("model_world_size_4_rank_2.pt", "missing"))
+
+
+def test_synthetic_shard_of_the_wrong_shape_refused(tmp_path):
+    """A local shard that is not what its placements cut (a file of another save) is refused."""
+    mesh, tensors = _layouts()["1d-uneven"]
+    src = write_rank_files(tmp_path / "actor", tensors, mesh,
+                           local_of=lambda name, rank, t: t[:1] if (name, rank) == ("a", 0) else t)
+    export_refused(src, tmp_path / "out", match=("model_world_size_4_rank_0.pt", "placements Shard(0)"))
+
+
+@pytest.mark.parametrize("allowed", [None, "dcp", "deepspeed"])
+def test_dtensor_stand_ins_belong_to_this_source_only(tmp_path, allowed):
+    """Every other reader's list refuses a rank file's DTensor: the stand-ins are this source's."""
+    from hf_ckpt_integrations.errors import UnsafeCheckpointError
+    from hf_ckpt_integrations.formats import torch_files
+    from hf_ckpt_integrations.sources import dcp
+    from hf_ckpt_integrations.sources.deepspeed import allowlist
+
+    mesh, tensors = _layouts()["1d-uneven"]
+    src = write_rank_files(tmp_path / "actor", tensors, mesh)
+    lists = {None: None, "dcp": dcp.ALLOWED, "deepspeed": allowlist.ALLOWED}
+    with pytest.raises(UnsafeCheckpointError, match="refused for safety: its pickle asks for `torch"):
+        torch_files.load(src / "model_world_size_4_rank_0.pt", allowed=lists[allowed])
