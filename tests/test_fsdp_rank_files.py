@@ -291,3 +291,31 @@ def test_dtensor_stand_ins_belong_to_this_source_only(tmp_path, allowed):
     lists = {None: None, "dcp": dcp.ALLOWED, "deepspeed": allowlist.ALLOWED}
     with pytest.raises(UnsafeCheckpointError, match="refused for safety: its pickle asks for `torch"):
         torch_files.load(src / "model_world_size_4_rank_0.pt", allowed=lists[allowed])
+
+
+def test_lora_actor_exports_the_adapter_peft_writes(tmp_path):
+    """A LoRA actor's rank files (a PeftModel's state dict, FSDP-sharded; verl's LoRA runs save these):
+    the PEFT pass keeps the adapter, bitwise what PeftModel.save_pretrained writes."""
+    import sys
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+    from torch.distributed.tensor import Shard
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "engines"))
+    import common
+
+    torch.manual_seed(0)
+    model = get_peft_model(LlamaForCausalLM(common.tiny_llama_config(num_hidden_layers=1)),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)  # lora_B starts at zero: an untrained adapter would prove nothing
+    src = write_rank_files(tmp_path / "actor", {k: (v, [Shard(0)]) for k, v in model.state_dict().items()}, (2,))
+    model.save_pretrained(tmp_path / "ref")
+    r = hf_ckpt("export", src, tmp_path / "out", "--config", tmp_path / "ref")
+    assert r.returncode == 0, r.stderr
+    want = load_safetensors(tmp_path / "ref" / "adapter_model.safetensors")
+    got = load_safetensors(tmp_path / "out" / "adapter_model.safetensors")
+    assert set(got) == set(want) and want
+    assert_bitwise_equal(got, want)
