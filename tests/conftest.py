@@ -133,7 +133,6 @@ CASES = {
     # Per-rank torch.save FSDP2 state dicts (tests/test_fsdp_rank_files.py): verl's checkpoint manager
     # (vocab 1001 on Shard(1)), and Accelerate's save_fsdp_model(use_dcp=False).
     "rank-verl": ("fsdp_rank_files.py", 2, ["--mode", "verl"]),
-    "rank-verl-hsdp": ("fsdp_rank_files.py", 4, ["--mode", "verl", "--fsdp-size", "2"]),  # (Replicate, Shard)
     "rank-accelerate": ("fsdp_rank_files.py", 2, ["--mode", "accelerate"]),
     "rank-accelerate-fsdp1": ("fsdp_rank_files.py", 2, ["--mode", "accelerate-fsdp1"]),  # ShardedTensor
     "rank-fsdp-tp": ("fsdp_rank_files.py", 4, ["--mode", "fsdp-tp"]),  # ("dp", "tp"): _StridedShard

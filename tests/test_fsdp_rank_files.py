@@ -2,11 +2,13 @@
 
 Engine cases (tests/engines/fsdp_rank_files.py, real torchrun processes on CPU/gloo): FSDP2 saved
 as verl's ``FSDPCheckpointManager`` saves it (vocabulary 1001 on ``Shard(1)`` by verl's placement
-function; an HSDP ``("ddp", "fsdp")`` mesh on 4 ranks: ``(Replicate(), Shard(...))``) and as
-Accelerate's ``save_fsdp_model(use_dcp=False)`` saves it; each export bitwise equal to the
-engine's own full state dict and loaded with ``from_pretrained``.
+function), FSDP2 x TP on a ("dp", "tp") mesh of 4 ranks, and as Accelerate's
+``save_fsdp_model(use_dcp=False)`` saves FSDP2 and FSDP1 (ShardedTensor); each export bitwise
+equal to the engine's own full state dict and loaded with ``from_pretrained``.
 
-Pure: :func:`local_indices` against torch's own sharding of an index tensor (milliseconds).
+Fast: :func:`local_indices` against torch's own sharding of an index tensor; rank files whose
+DTensors torch builds under a fake process group (1-D uneven, HSDP, FSDP x TP layouts and the
+refusals); a LoRA actor's adapter.
 """
 
 import itertools
@@ -80,23 +82,16 @@ def test_verl_export_is_the_engines_weights(engine_ckpt, tmp_path, entry):
         (case / "ckpt/global_step_2/actor/huggingface/tokenizer.json").read_bytes()
 
 
-def test_verl_hsdp_replicas_written_once(engine_ckpt, tmp_path):
-    case = engine_ckpt("rank-verl-hsdp")
-    _check_export(case, case / "ckpt", tmp_path / "out")
-    info = json.loads(hf_ckpt("inspect", case / "ckpt", "--json").stdout)
-    assert info["mesh"] == [2, 2] and info["mesh_dim_names"] == ["ddp", "fsdp"]
-    assert all(p.startswith("Replicate(), Shard(") for p in info["placements"]), info["placements"]
-
-
-def test_verl_hsdp_diverged_replica_refused(engine_ckpt, tmp_path):
-    """A replica that differs from the copy written is refused, naming the file."""
+def test_fsdp_tp_diverged_copy_refused(engine_ckpt, tmp_path):
+    """The two TP ranks of a DP group hold the same blocks of every tensor on the "dp" sub-mesh: a copy
+    that differs from the one written is refused, naming its file."""
     src = tmp_path / "actor"
-    shutil.copytree(engine_ckpt("rank-verl-hsdp") / "ckpt/global_step_2/actor", src)
-    sd = torch.load(src / "model_world_size_4_rank_2.pt", weights_only=False)
+    shutil.copytree(engine_ckpt("rank-fsdp-tp") / "ckpt/global_step_2/actor", src)
+    sd = torch.load(src / "model_world_size_4_rank_1.pt", weights_only=False)
     name = "model.norm.weight"
     sd[name]._local_tensor.add_(1)
-    torch.save(sd, src / "model_world_size_4_rank_2.pt")
-    export_refused(src, tmp_path / "out", match=("model_world_size_4_rank_2.pt", name, "replicas"))
+    torch.save(sd, src / "model_world_size_4_rank_1.pt")
+    export_refused(src, tmp_path / "out", match=("model_world_size_4_rank_1.pt", name, "replicas"))
 
 
 def test_accelerate_use_dcp_false_export_is_the_engines_weights(engine_ckpt, tmp_path):

@@ -43,7 +43,7 @@ from ..errors import CheckpointError, LayoutError, UnsafeCheckpointError, one_li
 from ..formats import torch_files
 from ..formats.dtypes import MAX_NDIM
 from ..formats.unpickler import StandIn
-from ..plan import Chunk, ExportPlan, Piece, TensorPlan, check_tiling, row_major_pieces
+from ..plan import Chunk, ExportPlan, Piece, TensorPlan, check_tiling
 from . import dcp
 
 # torch's layout and memory-format names, rebuilt as the DCP source's metadata rebuilds them
@@ -584,11 +584,9 @@ def _tensor(name, shards: List[_Shard], files) -> TensorPlan:
         raise LayoutError(f"{os.path.dirname(files[0])}: the shards of {shown} ({first.describe}) do not tile its "
                           f"size {list(first.shape)} ({e}); a rank's file is missing, duplicated or from another "
                           "save: copy the checkpoint again") from None
-    flat = row_major_pieces(first.shape, primary)
-    if flat is not None:
-        t = TensorPlan(name, first.shape, first.dtype, [flat], kind="module")
-    else:
-        t = TensorPlan.from_chunks(name, first.shape, first.dtype, primary, kind="module")
+    # Chunks kept even for dim-0 shards (still a byte-range copy: TensorPlan.flat_pieces), so each copy is
+    # compared block by block and a differing one is named by its file.
+    t = TensorPlan.from_chunks(name, first.shape, first.dtype, primary, kind="module")
     for k in range(1, max((len(c) for c in held.values()), default=1)):
         t.tied_copies.append((name, [c[k] if k < len(c) else c[0] for c in held.values()]))
     return t
