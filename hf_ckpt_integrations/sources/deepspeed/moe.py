@@ -36,10 +36,22 @@ EXPERT_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_stat
 # prefix (through "deepspeed_experts."), expert id, the rest of the name
 EXPERT_NAME_RE = re.compile(r"^(.*\.?deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(\..+)$")
 
-# (name, rank of expert-parallel rank e's k-th expert-data-parallel rank, given ep and count)
+
+
+def _expert_then_data(e, k, ep, count):
+    """DeepSpeed's default: expert-data-parallel group ``e`` is ranks ``e, e + ep, e + 2 ep, ...``."""
+    return k * ep + e
+
+
+def _data_then_expert(e, k, ep, count):
+    """``use_data_before_expert_parallel_``: group ``e`` is ranks ``e * count ... (e + 1) * count - 1``."""
+    return e * count + k
+
+
+# (name, the global rank of expert-parallel rank e's k-th expert-data-parallel rank given ep, count)
 TOPOLOGIES: Tuple[Tuple[str, Callable[[int, int, int, int], int]], ...] = (
-    ("expert-parallel ranks adjacent (DeepSpeed's default E + D)", lambda e, k, ep, count: k * ep + e),
-    ("data-parallel ranks adjacent (use_data_before_expert_parallel_)", lambda e, k, ep, count: e * count + k),
+    ("expert-parallel ranks adjacent (DeepSpeed's default E + D)", _expert_then_data),
+    ("data-parallel ranks adjacent (use_data_before_expert_parallel_)", _data_then_expert),
 )
 
 
@@ -106,7 +118,8 @@ def global_expert_name(local_name: str, ep_rank: int, ep: int, counts: Dict[str,
     local = int(m.group(2))
     if total % ep or local >= total // ep:
         raise LayoutError(f"{path}: {local_name!r} is local expert {local} of a layer with {total} expert files "
-                          f"over {ep} expert-parallel ranks; the expert files come from another save")
+                          f"over {ep} expert-parallel ranks; expert files are missing or come from another save: "
+                          "copy the whole tag directory again")
     return f"{m.group(1)}{ep_rank * (total // ep) + local}{m.group(3)}"
 
 
