@@ -88,6 +88,13 @@ def test_expert_without_its_file_weight_refused_before_any_rank_order():
         moe.plan_expert_group({r: Rank() for r in range(4)}, 1, names, [(3, 2), (3,)], 2, "m.pt", {}, experts, [])
 
 
+def test_autoep_expert_file_named_as_such(tmp_path):
+    name = "layer_0_expert_0_mp_rank_00_model_states.pt"
+    torch.save({"model.layers.0.mlp.experts.w1.0": torch.ones(2)}, tmp_path / name)
+    with pytest.raises(LayoutError, match="AutoEP expert file"):
+        moe.find_expert_files(str(tmp_path), [name], 0)
+
+
 CASES = ["moe-z2-ep2", "moe-z1-ep2"]
 
 

@@ -29,12 +29,14 @@ from ...formats.torch_files import TensorRef
 from .allowlist import load
 from .zero12 import plan_group
 
-__all__ = ["EXPERT_FILE_RE", "EXPERT_NAME_RE", "Experts", "find_expert_files", "global_expert_name",
+__all__ = ["EXPERT_FILE_RE", "EXPERT_NAME_RE", "AUTOEP_NAME_RE", "Experts", "find_expert_files", "global_expert_name",
            "TOPOLOGIES", "plan_expert_group"]
 
 EXPERT_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 # prefix (through "deepspeed_experts."), expert id, the rest of the name
 EXPERT_NAME_RE = re.compile(r"^(.*\.?deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(\..+)$")
+# AutoEP (0.19.2+) writes the same file names, holding "{module}.experts.w1.{global id}" & co.
+AUTOEP_NAME_RE = re.compile(r"^(.*\.)?experts\.w[123]\.\d+$")
 
 
 
@@ -95,6 +97,9 @@ def find_expert_files(tag_dir: str, names: List[str], mp_rank: int) -> Experts:
             if not isinstance(state, dict) or not state:
                 raise LayoutError(f"{path}: not a DeepSpeed expert file (no expert weights); the file is corrupt")
             for key, ref in state.items():
+                if isinstance(key, str) and AUTOEP_NAME_RE.match(key):
+                    raise LayoutError(f"{path}: a DeepSpeed AutoEP expert file ({key!r}: fused experts.w1/w2/w3 "
+                                      "sliced per expert); hf-ckpt does not read AutoEP saves yet")
                 m = EXPERT_NAME_RE.match(key) if isinstance(key, str) else None
                 if m is None or int(m.group(2)) != expert or not isinstance(ref, TensorRef):
                     raise LayoutError(f"{path}: holds {key!r}, not a weight of expert {expert}; the file was "
