@@ -2,7 +2,7 @@
 
 A tiny ``nn.Module``: a dense layer, two MoE layers of 4 experts each over ``--ep-size`` expert-parallel
 ranks, a dense head. Launched as ``torchrun --nproc_per_node 4 ds_moe_train.py OUT --stage S
-[--dtype fp32|bf16] [--ep-size 2]``. The experts' optimizer group is partitioned over the expert
+[--dtype fp32|bf16] [--ep-size 2] [--data-before-expert]``. The experts' optimizer group is partitioned over the expert
 data-parallel group (world / ep_size ranks), the dense groups over all ranks. Writes ``OUT/ckpt/``
 (``engine.save_checkpoint``: ``layer_L_expert_E_mp_rank_00_model_states.pt`` per expert) and in
 ``OUT/reference/``:
@@ -54,6 +54,8 @@ def main():
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--ep-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=2)
+    # DeepSpeed's other rank order: expert-data-parallel groups of adjacent ranks ("D + E").
+    p.add_argument("--data-before-expert", action="store_true")
     args = p.parse_args()
 
     import deepspeed
@@ -80,6 +82,7 @@ def main():
         "zero_optimization": {"stage": args.stage},
         "bf16": {"enabled": args.dtype == "bf16"},
         "steps_per_print": 10**9,
+        "use_data_before_expert_parallelism": args.data_before_expert,
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups_, config=ds_config)
     dtype = next(engine.module.parameters()).dtype
@@ -117,6 +120,7 @@ def main():
         save_file(all_masters, str(ref / "master.safetensors"))
         save_file(all_module, str(ref / "module.safetensors"))
         common.write_json(ref / "run.json", {"stage": args.stage, "dtype": args.dtype, "ep_size": args.ep_size,
+                                            "data_before_expert": args.data_before_expert,
                                             "world_size": world, "ranks": layout, "num_experts": NUM_EXPERTS})
     common.finish()
 
