@@ -11,7 +11,7 @@ import torch
 
 from hf_ckpt_integrations import export_checkpoint, inspect_checkpoint, verify_checkpoint
 from hf_ckpt_integrations.errors import LayoutError
-from hf_ckpt_integrations.sources.deepspeed import moe
+from hf_ckpt_integrations.sources.deepspeed import moe, zero12
 from helpers import export_refused, load_safetensors
 
 LOCAL = "moe1.deepspeed_moe.experts.deepspeed_experts."
@@ -85,7 +85,8 @@ def test_expert_without_its_file_weight_refused_before_any_rank_order():
     del held[LOCAL + "1.0.bias"]  # global expert 1 = expert-parallel rank 1's local expert 0
     experts = moe.Experts(held, {LOCAL: 2}, ["f"])
     with pytest.raises(LayoutError, match=r"no layer_\*_expert_\* file holds \['moe1\.deepspeed_moe"):
-        moe.plan_expert_group({r: Rank() for r in range(4)}, 1, names, [(3, 2), (3,)], 2, "m.pt", {}, experts, [])
+        moe.plan_expert_group({r: Rank() for r in range(4)}, 1, names, [(3, 2), (3,)], 2, "m.pt", {}, experts, [],
+                              plan_group=zero12.plan_group)
 
 
 def test_autoep_expert_file_named_as_such(tmp_path):

@@ -27,7 +27,6 @@ from typing import Callable, Dict, List, Tuple
 from ...errors import LayoutError
 from ...formats.torch_files import TensorRef
 from .allowlist import load
-from .zero12 import plan_group
 
 __all__ = ["EXPERT_FILE_RE", "EXPERT_NAME_RE", "AUTOEP_NAME_RE", "Experts", "find_expert_files", "global_expert_name",
            "TOPOLOGIES", "plan_expert_group"]
@@ -128,11 +127,14 @@ def global_expert_name(local_name: str, ep_rank: int, ep: int, counts: Dict[str,
     return f"{m.group(1)}{ep_rank * (total // ep) + local}{m.group(3)}"
 
 
-def plan_expert_group(ranks, group, names, shapes, count, model_path, tensors, experts: Experts, notes):
+def plan_expert_group(ranks, group, names, shapes, count, model_path, tensors, experts: Experts, notes, *,
+                      plan_group):
     """Plan expert parameter group ``group`` (partitioned over ``count`` expert-data-parallel ranks)
     of every expert-parallel rank into ``tensors``, by global expert name. ``ranks``: every
     data-parallel rank's :class:`~.rank_files.RankFile`; ``names``/``shapes``: the group as
-    ``param_shapes`` records it (local experts). Raises :class:`LayoutError` when no topology proves."""
+    ``param_shapes`` records it (local experts); ``plan_group``: the ZeRO-1/2 group planner
+    (:func:`.zero12.plan_group`, which places and proves one group's partitions). Raises
+    :class:`LayoutError` when no topology proves."""
     dp = len(ranks)
     if not isinstance(count, int) or count <= 0 or dp % count:
         raise LayoutError(f"{ranks[0].path}: records partition_count {count!r} for parameter group {group}, "

@@ -8,7 +8,7 @@ from ...errors import LayoutError
 from ...formats.torch_files import TensorRef
 from ...mapped_files import MappedFiles
 from ...plan import TensorPlan
-from . import partitions
+from . import moe, partitions
 from .fields import numel, recorded_shape, tensor_pieces
 
 __all__ = ["plan_zero12", "plan_group", "plan_zero12_frozen", "module_copy", "prove_places", "param_alignment_paddings",
@@ -25,12 +25,10 @@ def plan_zero12(ranks, param_groups, model_path, tensors, module, *, notes=None,
         names = list(group)
         shapes = [recorded_shape(group[n], model_path, n) for n in names]
         count = _partition_count(ranks[0], i)
-        if experts:
-            from .moe import EXPERT_NAME_RE, plan_expert_group  # (moe imports this module)
-
-            if count != dp or (names and all(EXPERT_NAME_RE.match(n) for n in names)):
-                plan_expert_group(ranks, i, names, shapes, count, model_path, tensors, experts, notes)
-                continue
+        if experts and (count != dp or (names and all(moe.EXPERT_NAME_RE.match(n) for n in names))):
+            moe.plan_expert_group(ranks, i, names, shapes, count, model_path, tensors, experts, notes,
+                                  plan_group=plan_group)
+            continue
         copies = {n: module_copy(module.get(n), shape) for n, shape in zip(names, shapes)}
         plan_group(ranks, i, names, shapes, model_path, copies, tensors, notes)
 
