@@ -147,6 +147,12 @@ CASES = {
     "peft-z3": ("peft_trainer_run.py", 2, ["--stage", "3"]),
     "peft-z3-gather": ("peft_trainer_run.py", 2, ["--stage", "3", "--gather-on-save", "--adapter-name", "mine"]),
     "peft-z2": ("peft_trainer_run.py", 2, ["--stage", "2", "--modules-to-save", "--rslora"]),
+    # ZeRO-2 round_robin_gradients (tests/test_round_robin_layout.py): 2 and 3 ranks reorder the flat group.
+    **{f"z2-round-robin-dp{n}": ("ds_round_robin.py", n, ["--dtype", "bf16"]) for n in (2, 3)},
+    # DeepSpeed MoE, 4 experts x 2 layers over ep_size 2 on 4 ranks (tests/test_moe_experts.py), in
+    # DeepSpeed's two rank orders of expert groups (the default E + D, and D + E).
+    "moe-z2-ep2": ("ds_moe_train.py", 4, ["--stage", "2", "--dtype", "bf16"]),
+    "moe-z1-ep2-dxe": ("ds_moe_train.py", 4, ["--stage", "1", "--data-before-expert"]),
 }
 
 

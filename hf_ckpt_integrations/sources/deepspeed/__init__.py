@@ -26,6 +26,7 @@ from ..protocol import PlanContext, SourceOption
 from ..tp_rules import parse_user_rule
 from .allowlist import ALLOWED, load
 from .fields import check_model_types, meta_int, require, tensor_pieces
+from .moe import find_expert_files
 from .rank_files import RankFile, find_rank_files, holds_checkpoint, is_tag_dir, list_tags, resolve_tag_dir
 from .tp_merge import merge_model_parallel
 from .zero12 import plan_zero12, plan_zero12_frozen
@@ -94,11 +95,16 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
         raise LayoutError(f"{tag_dir}: data-parallel rank file(s) {missing[:8]} missing (found ranks "
                           f"{sorted(ranks)[:8]}{'...' if dp > 8 else ''}); copy the whole tag directory again")
     stage = meta_int(ranks[0].osd["zero_stage"], ranks[0].path, "zero_stage")
+    experts = find_expert_files(tag_dir, os.listdir(tag_dir), mp_rank)  # MoE: expert groups count fewer ranks
+    if experts and stage == 3:
+        raise LayoutError(f"{experts.files[0]}: a DeepSpeed MoE save under ZeRO-3; hf-ckpt reads MoE expert "
+                          "files under ZeRO-1/2 only")
     for r in ranks.values():
         pc = r.osd.get("partition_count")
         counts = pc if isinstance(pc, list) else [pc]
         r_stage = meta_int(r.osd["zero_stage"], r.path, "zero_stage")
-        if r_stage != stage or not counts or any(meta_int(c, r.path, "partition_count") != dp for c in counts):
+        if r_stage != stage or not counts or any(meta_int(c, r.path, "partition_count") != dp and not experts
+                                                 for c in counts):
             raise LayoutError(f"{r.path}: records zero_stage={r_stage} partition_count={short_repr(pc)}, "
                               f"but the tag holds {dp} rank files of stage {stage}; files from different "
                               "saves are mixed: copy one save's tag directory again")
@@ -120,11 +126,12 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
     buffer_names = list(model.get("buffer_names") or [])
 
     tensors: "OrderedDict[str, TensorPlan]" = OrderedDict()
+    notes: List[str] = []
     if stage == 3:
         plan_zero3(ranks, param_groups, model_path, tensors)
         plan_zero3_frozen(model_files, dp, tensors)
     else:
-        plan_zero12(ranks, param_groups, model_path, tensors, module)
+        plan_zero12(ranks, param_groups, model_path, tensors, module, notes=notes, experts=experts)
         plan_zero12_frozen(model, model_path, tensors)
     for name in buffer_names:
         ref = module.get(name)
@@ -161,6 +168,7 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
                               "mp_axis_reason": None})
     version = model.get("ds_version")  # every release records it; the layout never depends on it
     plan.engine_version = version if isinstance(version, str) else None
+    plan.notes.extend(notes)
     if ranks[0].prefix:
         plan.notes.append(f"optimizer files carry the {ranks[0].prefix}_ prefix (mixed-precision training)")
     return plan, model.get("universal_checkpoint_info")

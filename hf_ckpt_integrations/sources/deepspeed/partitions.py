@@ -15,7 +15,7 @@ chunks back to back in ``param_shapes`` order. The last rank's chunk is zero-pad
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Fragment", "zero12_fragments", "zero3_fragments", "ceil_div"]
+__all__ = ["Fragment", "zero12_fragments", "zero3_fragments", "ceil_div", "round_robin_order"]
 
 # (rank, element offset inside that rank's flat partition, element count)
 Fragment = Tuple[int, int, int]
@@ -61,6 +61,17 @@ def zero12_fragments(numels: Sequence[int], partition_numels: Sequence[int], pad
         out.append(frags)
         offset = end + gap
     return out
+
+
+def round_robin_order(count: int, partitions: int) -> List[int]:
+    """The flat order ZeRO-1/2's ``round_robin_gradients`` gives a group of ``count`` parameters
+    over ``partitions`` ranks: ``order[k]`` is the index, in the group's own (module) order, of the
+    ``k``-th parameter of the flat buffer. DeepSpeed's ``_round_robin_reorder`` deals the parameters
+    out like cards (parameter ``i`` to pile ``i % partitions``) and lays the piles end to end.
+    ``param_shapes`` is recorded in this flat order; ``param_slice_mappings`` (DeepSpeed 0.19.8
+    and before, without ``parameter_alignment`` padding) at offsets counted in the module order,
+    as if nothing were reordered: they address the wrong elements, the flat order is the truth."""
+    return [i for pile in range(min(partitions, count)) for i in range(pile, count, partitions)]
 
 
 def zero3_fragments(numels: Sequence[int], dp: int, flat_numel: int) -> List[List[Fragment]]:

@@ -8,53 +8,101 @@ from ...errors import LayoutError
 from ...formats.torch_files import TensorRef
 from ...mapped_files import MappedFiles
 from ...plan import TensorPlan
-from . import partitions
+from . import moe, partitions
 from .fields import numel, recorded_shape, tensor_pieces
 
-__all__ = ["plan_zero12", "plan_zero12_frozen", "module_copy", "prove_places", "param_alignment_paddings",
+__all__ = ["plan_zero12", "plan_group", "plan_zero12_frozen", "module_copy", "prove_places", "param_alignment_paddings",
            "PLACE_SAMPLES"]
 
 
-def plan_zero12(ranks, param_groups, model_path, tensors, module):
+def plan_zero12(ranks, param_groups, model_path, tensors, module, *, notes=None, experts=None):
+    """Plan every parameter group of one model-parallel rank into ``tensors``. ``experts``: the
+    MoE expert files (:func:`.moe.find_expert_files`); groups partitioned over fewer ranks than
+    ``ranks`` are expert groups, planned by :mod:`.moe`. ``notes``: a list the plan's notes go to."""
     dp = len(ranks)
+    notes = [] if notes is None else notes
     for i, group in enumerate(param_groups):
         names = list(group)
         shapes = [recorded_shape(group[n], model_path, n) for n in names]
-        parts, pads = [], []
-        for r in range(dp):
-            osd = ranks[r].osd
-            try:
-                parts.append(osd["single_partition_of_fp32_groups"][i])
-                pads.append(int(osd.get("group_paddings", [0] * len(param_groups))[i]))
-            except (KeyError, IndexError, TypeError):
-                raise LayoutError(f"{ranks[r].path}: has no fp32 partition for parameter group {i} "
-                                  f"({len(param_groups)} groups recorded); files from different saves are mixed")
-            if not isinstance(parts[-1], TensorRef) or parts[-1].dtype != "F32":
-                raise LayoutError(f"{ranks[r].path}: fp32 partition of group {i} is not an fp32 tensor; "
-                                  "the file is corrupt")
-        gaps = param_alignment_paddings(ranks, i)
-        try:
-            frags = partitions.zero12_fragments([numel(s) for s in shapes], [p.numel for p in parts], pads, gaps)
-        except ValueError as e:
-            raise LayoutError(f"{ranks[0].path}: parameter group {i}: {e}; the model-states file "
-                              f"{os.path.basename(model_path)} and the optimizer files come from different "
-                              "saves or are corrupt") from None
-        for r in range(dp):
-            recorded = ranks[r].osd.get("param_slice_mappings")
-            if isinstance(recorded, list) and i < len(recorded) and isinstance(recorded[i], dict):
-                rec = {str(k): _address(v, ranks[r].path) for k, v in recorded[i].items()}
-                bad = partitions.check_slice_mappings(names, frags, r, rec)
-                if bad:
-                    raise LayoutError(f"{ranks[r].path}: the offsets this file records (param_slice_mappings) "
-                                      f"disagree with its place as data-parallel rank {r} for {bad[:3]}; the "
-                                      "file was renamed or comes from another save: restore the original names")
+        count = _partition_count(ranks[0], i)
+        if experts and (count != dp or (names and all(moe.EXPERT_NAME_RE.match(n) for n in names))):
+            moe.plan_expert_group(ranks, i, names, shapes, count, model_path, tensors, experts, notes,
+                                  plan_group=plan_group)
+            continue
         copies = {n: module_copy(module.get(n), shape) for n, shape in zip(names, shapes)}
-        prove_places(ranks, i, names, frags, parts, copies, model_path)
-        for name, shape, fr in zip(names, shapes, frags):
-            pieces = [tensor_pieces(parts[r], local, count) for r, local, count in fr]
-            copy = copies[name]
-            check = ([pieces], [[tensor_pieces(copy, 0, copy.numel)]]) if copy is not None else None
-            tensors[name] = TensorPlan(name, shape, "F32", [pieces], kind="master", module_check=check)
+        plan_group(ranks, i, names, shapes, model_path, copies, tensors, notes)
+
+
+def _partition_count(rank_file, group):
+    pc = rank_file.osd.get("partition_count")
+    if isinstance(pc, list) and group < len(pc) and isinstance(pc[group], int):
+        return pc[group]
+    return pc if isinstance(pc, int) else None
+
+
+def plan_group(ranks, i, names, shapes, model_path, copies, tensors, notes, *, names_out=None):
+    """Plan parameter group ``i`` held by ``ranks`` (``{partition rank: RankFile}``, the group's own
+    data-parallel ranks), its ``names`` and ``shapes`` in the recorded (flat) order, each proven
+    against ``copies`` (name -> module weight or None). ``names_out``: the names written (an
+    expert's global name), default ``names``."""
+    dp = len(ranks)
+    names_out = names if names_out is None else names_out
+    parts, pads = [], []
+    for r in range(dp):
+        osd = ranks[r].osd
+        try:
+            parts.append(osd["single_partition_of_fp32_groups"][i])
+            pads.append(int(osd.get("group_paddings", [0] * (i + 1))[i]))
+        except (KeyError, IndexError, TypeError):
+            raise LayoutError(f"{ranks[r].path}: has no fp32 partition for parameter group {i}; "
+                              "files from different saves are mixed") from None
+        if not isinstance(parts[-1], TensorRef) or parts[-1].dtype != "F32":
+            raise LayoutError(f"{ranks[r].path}: fp32 partition of group {i} is not an fp32 tensor; "
+                              "the file is corrupt")
+    gaps = param_alignment_paddings(ranks, i)
+    numels = [numel(s) for s in shapes]
+    try:
+        frags = partitions.zero12_fragments(numels, [p.numel for p in parts], pads, gaps)
+    except ValueError as e:
+        raise LayoutError(f"{ranks[0].path}: parameter group {i}: {e}; the model-states file "
+                          f"{os.path.basename(model_path)} and the optimizer files come from different "
+                          "saves or are corrupt") from None
+    for r in range(dp):
+        recorded = ranks[r].osd.get("param_slice_mappings")
+        if isinstance(recorded, list) and i < len(recorded) and isinstance(recorded[i], dict):
+            rec = {str(k): _address(v, ranks[r].path) for k, v in recorded[i].items()}
+            bad = partitions.check_slice_mappings(names, frags, r, rec)
+            if bad and not any(gaps or ()) and _round_robin_recorded(names, numels, parts, pads, r, rec):
+                bad = []
+                note = (f"parameter group {i} is laid out by round_robin_gradients: its param_slice_mappings "
+                        "address the module order, the masters are placed by the flat order (param_shapes)")
+                if note not in notes:
+                    notes.append(note)
+            if bad:
+                raise LayoutError(f"{ranks[r].path}: the offsets this file records (param_slice_mappings) "
+                                  f"disagree with its place as data-parallel rank {r} for {bad[:3]}; the "
+                                  "file was renamed or comes from another save: restore the original names")
+    prove_places(ranks, i, names, frags, parts, copies, model_path)
+    for name, out, shape, fr in zip(names, names_out, shapes, frags):
+        pieces = [tensor_pieces(parts[r], local, count) for r, local, count in fr]
+        copy = copies.get(name)
+        check = ([pieces], [[tensor_pieces(copy, 0, copy.numel)]]) if copy is not None else None
+        tensors[out] = TensorPlan(out, shape, "F32", [pieces], kind="master", module_check=check)
+
+
+def _round_robin_recorded(names, numels, parts, pads, rank, recorded):
+    """True when ``recorded`` (rank ``rank``'s ``param_slice_mappings``) are exactly what DeepSpeed
+    records under ``round_robin_gradients``: offsets counted in the module order, which the flat
+    (recorded) order dealt out over the group's ranks came from (:func:`.partitions.round_robin_order`)."""
+    order = partitions.round_robin_order(len(names), len(parts))
+    module_order = [None] * len(names)
+    for flat_index, original in enumerate(order):
+        module_order[original] = flat_index
+    try:
+        frags = partitions.zero12_fragments([numels[k] for k in module_order], [p.numel for p in parts], pads)
+    except ValueError:
+        return False
+    return not partitions.check_slice_mappings([names[k] for k in module_order], frags, rank, recorded)
 
 
 # Elements per rank and parameter group compared with the module weights while planning: both
