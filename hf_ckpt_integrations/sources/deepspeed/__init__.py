@@ -30,6 +30,8 @@ from .rank_files import RankFile, find_rank_files, holds_checkpoint, is_tag_dir,
 from .tp_merge import merge_model_parallel
 from .zero12 import plan_zero12, plan_zero12_frozen
 from .zero3 import plan_zero3, plan_zero3_frozen
+from . import stage0
+from .bf16_optimizer import plan_bf16_optimizer
 
 __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "ALLOWED", "detect", "config_candidates", "plan", "plan_mp_rank",
            "resolve_tag_dir", "holds_checkpoint"]
@@ -80,7 +82,25 @@ def plan(ctx: PlanContext) -> ExportPlan:
     out.source = src
     out.tag = tag
     out.detail["mp_size"] = len(mp_ranks)
+    if config_dir is None and out.aliases:
+        write_aliases(out)
     return out
+
+
+def write_aliases(plan: ExportPlan) -> None:
+    """Without an HF config there is no ``save_pretrained`` policy to follow: every name the module
+    has is written (a tied name as a copy of its weight, as ``zero_to_fp32`` does), so that
+    ``load_state_dict(strict=True)`` of a plain ``nn.Module`` loads the export."""
+    from dataclasses import replace
+
+    by_name = {t.name: t for t in plan.tensors}
+    written = [a for a, target in plan.aliases.items() if target in by_name and a not in by_name]
+    for alias in written:
+        plan.tensors.append(replace(by_name[plan.aliases[alias]], name=alias))
+    if written:
+        plan.notes.append("no config.json: tied names written as copies, every name the module has: "
+                          + ", ".join(f"{a} (= {plan.aliases[a]})" for a in written[:5]))
+    plan.aliases = {}
 
 
 def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_dtype):
@@ -93,8 +113,11 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
         missing = sorted(set(range(dp)) - set(ranks))
         raise LayoutError(f"{tag_dir}: data-parallel rank file(s) {missing[:8]} missing (found ranks "
                           f"{sorted(ranks)[:8]}{'...' if dp > 8 else ''}); copy the whole tag directory again")
-    stage = meta_int(ranks[0].osd["zero_stage"], ranks[0].path, "zero_stage")
-    for r in ranks.values():
+    # Which optimizer wrote the rank files decides the layout: ZeRO's records its stage; DeepSpeed's
+    # BF16_Optimizer (.bf16_optimizer) and no ZeRO at all (.stage0, no optimizer files) do not.
+    optimizer = "ZeRO" if ranks and "zero_stage" in ranks[0].osd else "BF16_Optimizer" if ranks else None
+    stage = meta_int(ranks[0].osd["zero_stage"], ranks[0].path, "zero_stage") if optimizer == "ZeRO" else 0
+    for r in ranks.values() if optimizer == "ZeRO" else ():
         pc = r.osd.get("partition_count")
         counts = pc if isinstance(pc, list) else [pc]
         r_stage = meta_int(r.osd["zero_stage"], r.path, "zero_stage")
@@ -109,18 +132,38 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
                               f"per rank 0..{dp - 1}; found {sorted(str(k) for k in model_files)}")
     else:
         model_path = model_files.get(None)
+        if model_path is None and not ranks and model_files:
+            raise LayoutError(f"{tag_dir}: holds ZeRO-3 model-states files (zero_pp_rank_*_mp_rank_{mp_rank:02d}_"
+                              "model_states.pt) but no *_optim_states.pt, which hold the weights; the copy is "
+                              "incomplete: copy the whole tag directory again")
         if model_path is None:
             raise LayoutError(f"{tag_dir}: mp_rank_{mp_rank:02d}_model_states.pt is missing; copy the whole "
                               "tag directory again")
     model = load(model_path)
     param_groups = require(model, "param_shapes", model_path, "model-states")
     check_model_types(model, model_path)
+    if optimizer != "ZeRO":
+        stage = recorded_stage(model)
+        optimizer = optimizer or stage0.optimizer_kind(model)
+    what = describe(stage, optimizer, dp if ranks else None)
+    if not ranks and (stage != 0 or param_groups is not None):
+        raise LayoutError(f"{model_path}: records ZeRO stage {stage} (its ds_config and param_shapes), but the tag "
+                          "holds no *_optim_states.pt, which hold its weights; the copy is incomplete: copy the "
+                          "whole tag directory again")
+    if optimizer == "ZeRO" and param_groups is None:
+        raise LayoutError(f"{model_path}: records no param_shapes, but the optimizer files are ZeRO stage {stage}'s; "
+                          "files from different saves are mixed: copy one save's tag directory again")
     module = model.get("module") or {}
     shared = model.get("shared_params") or {}
     buffer_names = list(model.get("buffer_names") or [])
 
     tensors: "OrderedDict[str, TensorPlan]" = OrderedDict()
-    if stage == 3:
+    if not ranks:
+        shared = stage0.plan_stage0(model, model_path, module, set(buffer_names), tensors, out_dtype, what)
+    elif optimizer == "BF16_Optimizer":
+        plan_bf16_optimizer(ranks, param_groups, model_path, tensors, module, what)
+        plan_zero12_frozen(model, model_path, tensors)
+    elif stage == 3:
         plan_zero3(ranks, param_groups, model_path, tensors)
         plan_zero3_frozen(model_files, dp, tensors)
     else:
@@ -157,10 +200,34 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
         dtypes["module"] = module_dtype
     plan = ExportPlan(engine="deepspeed", source=tag_dir, tag=None, tensors=ordered,
                       aliases={str(k): str(v) for k, v in shared.items()}, dtypes=dtypes, files=files,
-                      detail={"zero_stage": stage, "dp_size": dp, "mp_size": 1, "mp_axis": "none",
-                              "mp_axis_reason": None})
+                      detail={"zero_stage": stage, "optimizer": optimizer, "dp_size": dp or recorded_dp(model),
+                              "mp_size": 1, "mp_axis": "none", "mp_axis_reason": None})
     version = model.get("ds_version")  # every release records it; the layout never depends on it
     plan.engine_version = version if isinstance(version, str) else None
-    if ranks[0].prefix:
+    if ranks and ranks[0].prefix:
         plan.notes.append(f"optimizer files carry the {ranks[0].prefix}_ prefix (mixed-precision training)")
     return plan, model.get("universal_checkpoint_info")
+
+
+def recorded_stage(model) -> int:
+    """The ZeRO stage the model-states file's ``ds_config`` records (0 when it records none)."""
+    cfg = model.get("ds_config")
+    zero = cfg.get("zero_optimization") if isinstance(cfg, dict) else None
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    return stage if type(stage) is int else 0
+
+
+def recorded_dp(model):
+    """The data-parallel size a model-states file records (``dp_world_size``), or None."""
+    dp = model.get("dp_world_size")
+    return dp if type(dp) is int else None
+
+
+def describe(stage, optimizer, dp) -> str:
+    """The checkpoint as its files record it, for messages: ``"ZeRO stage 0 (torch optimizer), no
+    optimizer files"``, ``"BF16_Optimizer, ZeRO stage 1, 2 data-parallel ranks"``."""
+    if optimizer == "ZeRO":
+        return f"ZeRO stage {stage}, {dp} data-parallel rank files"
+    if dp is None:
+        return f"ZeRO stage {stage} ({optimizer}), no optimizer partition files"
+    return f"{optimizer}, ZeRO stage {stage}, {dp} data-parallel rank files"

@@ -37,7 +37,7 @@ def _str_dict(v):
 def check_model_types(model, path):
     """The model-states fields this source reads have the types DeepSpeed writes (a file from
     elsewhere, or a corrupt one, is refused by name rather than failing deep inside)."""
-    _typed(model.get("param_shapes"), lambda v: isinstance(v, list) and all(_str_dict(g) for g in v), path,
+    _typed(model.get("param_shapes") or [], lambda v: isinstance(v, list) and all(_str_dict(g) for g in v), path,
            "param_shapes")
     for key in ("module", "frozen_param_shapes", "frozen_param_fragments"):
         _typed(model.get(key) or {}, _str_dict, path, key)
