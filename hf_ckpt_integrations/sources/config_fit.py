@@ -128,7 +128,7 @@ def _shape(s) -> str:
     return "[" + ", ".join(str(d) for d in s) + "]"
 
 
-def check_fits(model, shapes: Dict[str, Tuple[int, ...]], config_dir) -> None:
+def check_fits(model, shapes: Dict[str, Tuple[int, ...]], config_dir) -> list:
     """Refuse (LayoutError) when ``model`` (built from ``config_dir/config.json``) does not load exactly
     the checkpoint's tensors ``shapes`` (in-memory names, tied aliases already removed and renamed as
     ``save_pretrained`` keeps them): a tensor the model does not have, a model tensor the checkpoint
@@ -136,11 +136,13 @@ def check_fits(model, shapes: Dict[str, Tuple[int, ...]], config_dir) -> None:
     them: tied names save_pretrained leaves out, ``_keys_to_ignore_on_save``, buffers (persistent ones
     are optional: the model initialises them), and the patterns of ``_keys_to_ignore_on_load_missing``
     / ``_keys_to_ignore_on_load_unexpected`` (plus the old ``rotary_emb.inv_freq`` / ``position_ids``
-    buffers transformers itself ignores)."""
+    buffers transformers itself ignores). When the only difference is model tensors the checkpoint
+    lacks (a save with ``exclude_frozen_parameters=True``), their names are returned instead (the
+    export front end refuses them unless told: ``--allow-missing``); otherwise []."""
     try:
         from transformers.modeling_utils import remove_tied_weights_from_state_dict
     except ImportError:  # transformers 4.x: no such helper; the Hub-layout pass does not run there either
-        return
+        return []
     path = os.path.join(os.fspath(config_dir), "config.json")
     state = dict(model.state_dict())
     kept = remove_tied_weights_from_state_dict(dict(state), model)
@@ -162,6 +164,9 @@ def check_fits(model, shapes: Dict[str, Tuple[int, ...]], config_dir) -> None:
         if name not in kept and name not in optional and not unexpected_ok(name):
             why = "ties it to another weight" if name in state else "has no such tensor"
             problems.append(f"the checkpoint holds {name} {_shape(s)}, but the model {why}")
+    missing = [name for name in kept if name not in shapes and name not in optional and not missing_ok(name)]
+    if len(missing) == len(problems):
+        return missing
     if problems:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         raise LayoutError(f"{path}: its {model_type!r} model does not have exactly the checkpoint's tensors: "

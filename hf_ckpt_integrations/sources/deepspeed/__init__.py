@@ -191,6 +191,10 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
                 tensors[name] = TensorPlan(name, t.shape, ref.dtype, [[tensor_pieces(ref, 0, ref.numel)]],
                                            kind="module", module_check=t.module_check)
 
+    # Parameters the module records (ZeRO-3: empty placeholders) with no weights anywhere in the save.
+    params = [n for n, r in module.items() if isinstance(r, TensorRef) and n not in buffer_names]
+    missing = [n for n in params if n not in tensors and n not in shared]
+
     # Output order = the model's state_dict order (as save_pretrained writes it), then the rest.
     ordered = [tensors.pop(n) for n in list(module) if n in tensors]
     ordered += list(tensors.values())
@@ -202,6 +206,13 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
                       aliases={str(k): str(v) for k, v in shared.items()}, dtypes=dtypes, files=files,
                       detail={"zero_stage": stage, "optimizer": optimizer, "dp_size": dp or recorded_dp(model),
                               "mp_size": 1, "mp_axis": "none", "mp_axis_reason": None})
+    if missing:
+        plan.detail["missing_tensors"] = missing
+    if stage >= 2 and model.get("frozen_param_shapes") is None:
+        # ZeRO-2/3 record frozen parameters ({} when there are none) unless saved without them.
+        plan.detail["exclude_frozen_parameters"] = True
+        plan.notes.append("saved with exclude_frozen_parameters=True: frozen parameters are not in this checkpoint "
+                          "(config.json's model names them; without one nothing records them)")
     version = model.get("ds_version")  # every release records it; the layout never depends on it
     plan.engine_version = version if isinstance(version, str) else None
     if ranks and ranks[0].prefix:
