@@ -108,7 +108,10 @@ def check_missing(plan, src, allow_missing: bool) -> None:
         plan.notes.append(f"exported without {len(missing)} tensor(s) the checkpoint does not hold ({names}); "
                           "from_pretrained initialises them")
         return
-    why = (" (saved with exclude_frozen_parameters=True)" if plan.detail.get("exclude_frozen_parameters") else "")
+    if plan.detail.get("exclude_frozen_parameters"):
+        why, other = " (saved with exclude_frozen_parameters=True)", "export from a save that includes them"
+    else:  # nothing says why: parameters left out of the save, or a config.json of another model
+        why, other = "", "pass --config the config.json of the model that was trained"
     raise CheckpointError(f"{src}: the model has {len(missing)} tensor(s) this checkpoint does not hold{why}: "
                           f"{names}; pass --allow-missing to export the tensors it holds (from_pretrained then "
-                          "initialises the others), or export from a save that includes them")
+                          f"initialises the others), or {other}")

@@ -136,3 +136,26 @@ def test_missing_tensors_allowed_with_a_note():
     check_missing(plan, "/src", True)
     assert any("a.weight" in n for n in plan.notes)
     check_missing(_plan(), "/src", False)  # nothing missing: nothing to say
+
+
+def test_config_model_tensors_the_checkpoint_lacks_are_returned_a_missing_layer_is_refused(tmp_path):
+    """A left-out parameter of a layer the checkpoint holds is a missing tensor (listed, refused by the
+    export front end); a whole layer the checkpoint lacks means config.json is another model's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_ckpt_integrations.errors import LayoutError
+    from hf_ckpt_integrations.sources.config_fit import check_fits
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    assert check_fits(model, shapes, tmp_path) == []
+    held = {n: s for n, s in shapes.items() if n not in ("model.embed_tokens.weight",
+                                                         "model.layers.0.self_attn.q_proj.weight")}
+    assert sorted(check_fits(model, held, tmp_path)) == ["model.embed_tokens.weight",
+                                                         "model.layers.0.self_attn.q_proj.weight"]
+    one_layer = {n: s for n, s in shapes.items() if ".layers.1." not in n}
+    with pytest.raises(LayoutError, match="the model has model.layers.1."):
+        check_fits(model, one_layer, tmp_path)

@@ -26,8 +26,8 @@ from ...errors import LayoutError, short_repr
 from ...formats.torch_files import TensorRef
 from ...plan import TensorPlan
 from . import partitions
-from .fields import meta_int, numel, recorded_shape, tensor_pieces
-from .zero12 import _address, module_copy, prove_places
+from .fields import fragment_address, meta_int, numel, recorded_shape, tensor_pieces
+from .zero12 import module_copy, prove_places
 
 __all__ = ["is_bf16_optimizer_state", "bf16_fragments", "order_from_mappings", "plan_bf16_optimizer"]
 
@@ -97,7 +97,7 @@ def plan_bf16_optimizer(ranks, param_groups: Optional[list], model_path, tensors
             if not isinstance(rec, dict):
                 raise LayoutError(f"{ranks[r].path}: param_slice_mappings[{i}] is {short_repr(rec)}; the file is "
                                   "corrupt")
-            recs.append({str(k): _address(v, ranks[r].path) for k, v in rec.items()})
+            recs.append({str(k): fragment_address(v, ranks[r].path) for k, v in rec.items()})
             pads_rec = osd.get("group_paddings") or [0] * groups
             pads.append(meta_int(pads_rec[i] if i < len(pads_rec) else None, ranks[r].path, "group_paddings"))
         if param_groups is not None:

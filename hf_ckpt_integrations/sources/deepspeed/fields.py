@@ -12,7 +12,7 @@ from ...formats.torch_files import TensorRef
 from ...plan import Piece
 
 __all__ = ["require", "check_model_types", "check_optim_types", "meta_int", "recorded_shape", "numel",
-           "tensor_pieces"]
+           "tensor_pieces", "fragment_address"]
 
 
 def require(obj, key, path, what):
@@ -89,3 +89,11 @@ def tensor_pieces(ref: TensorRef, start: int, count: int) -> Piece:
                           f"({start}+{count} > {ref.numel}); the file does not match the recorded shapes")
     offset, _ = ref.byte_range(start, count)
     return Piece(ref.path, offset, count, ref.dtype)
+
+
+def fragment_address(value, path):
+    """A ``param_slice_mappings`` entry (``fragment_address``) as ``(numel, start)``, or LayoutError."""
+    try:
+        return int(value.numel), int(value.start)
+    except (AttributeError, TypeError, ValueError):
+        raise LayoutError(f"{path}: a param_slice_mappings entry is not a fragment address; the file is corrupt")
