@@ -68,6 +68,9 @@ def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[st
     plan = sources.build_plan(src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules,
                               source_options=source_options)
     check_missing(plan, src, allow_missing)
+    required = plan.detail.get("dtype_required")  # a source that holds only one dtype exactly
+    if required and (required["dtype"] is None or from_user(dtype) != from_user(required["dtype"])):
+        raise CheckpointError(required["reason"])
     from .parallel import world_from_env, write_plan_parallel
 
     if (merge_adapters or plan.adapter is not None) and world_from_env() > 1 and os.environ.get("RANK", "0") != "0":

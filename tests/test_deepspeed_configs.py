@@ -58,6 +58,9 @@ def test_stage0_16bit_module_refused_by_what_it_is_or_exported_in_its_dtype(engi
     assert "ZeRO stage 0 (FP16_UnfusedOptimizer)" in line and "--dtype bf16" in line, line
     export_checkpoint(case / "ckpt", tmp_path / "hf16", dtype="bf16", config=str(case / "config"))
     _assert_bitwise(_exported(tmp_path / "hf16"), load_safetensors(case / "reference" / "state.safetensors"))
+    assert verify_checkpoint(tmp_path / "hf16", case / "ckpt", config=str(case / "config")).ok
+    info = inspect_checkpoint(case / "ckpt", config=str(case / "config"))
+    assert (info["optimizer"], info["dtype_required"]["dtype"]) == ("FP16_UnfusedOptimizer", "bf16")
 
 
 @pytest.mark.parametrize("name", ["replica-z0", "autotp-z0"])

@@ -6,7 +6,7 @@ layouts from real engine runs: tests/test_deepspeed_configs.py."""
 import pytest
 import torch
 
-from hf_ckpt_integrations import export_checkpoint, inspect_checkpoint
+from hf_ckpt_integrations import export_checkpoint, inspect_checkpoint, verify_checkpoint
 from hf_ckpt_integrations.api import check_missing
 from hf_ckpt_integrations.errors import CheckpointError
 from hf_ckpt_integrations.formats.torch_files import StorageRef, TensorRef
@@ -106,10 +106,17 @@ def test_stage0_exports_every_name_of_a_module_without_config(tmp_path):
 
 
 def test_stage0_16bit_module_is_refused_naming_its_optimizer(tmp_path):
-    src = _stage0_save(tmp_path / "src", _Tied(torch.bfloat16))
+    model = _Tied(torch.bfloat16)  # its buffer stays fp32
+    src = _stage0_save(tmp_path / "src", model)
+    assert inspect_checkpoint(src)["dtype_required"]["dtype"] == "bf16"  # inspect describes it
     line = export_refused(src, tmp_path / "hf")
     assert "ZeRO stage 0 (torch optimizer)" in line and "--dtype bf16" in line, line
+    export_refused(src, tmp_path / "hf", "--dtype", "fp32")
     export_checkpoint(src, tmp_path / "hf16", dtype="bf16")  # the suggested way works
+    out = load_safetensors(tmp_path / "hf16" / "model.safetensors")
+    assert all(torch.equal(out[n], t.to(out[n].dtype)) for n, t in model.state_dict().items())
+    assert out["embed.weight"].dtype == torch.bfloat16
+    assert verify_checkpoint(tmp_path / "hf16", src).ok
 
 
 def test_zero_save_without_its_optimizer_files_is_an_incomplete_copy(tmp_path):

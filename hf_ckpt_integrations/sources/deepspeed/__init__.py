@@ -159,7 +159,7 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
 
     tensors: "OrderedDict[str, TensorPlan]" = OrderedDict()
     if not ranks:
-        shared = stage0.plan_stage0(model, model_path, module, set(buffer_names), tensors, out_dtype, what)
+        shared = stage0.plan_stage0(model, model_path, module, set(buffer_names), tensors, what)
     elif optimizer == "BF16_Optimizer":
         plan_bf16_optimizer(ranks, param_groups, model_path, tensors, module, what)
         plan_zero12_frozen(model, model_path, tensors)
@@ -199,7 +199,7 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
     ordered = [tensors.pop(n) for n in list(module) if n in tensors]
     ordered += list(tensors.values())
     files = sorted({p.path for t in ordered for part in t.parts for p in part} | {model_path})
-    dtypes = {"master": "F32"}
+    dtypes = {"master": "F32"} if any(t.kind == "master" for t in ordered) or ranks else {}
     if module_dtype is not None:
         dtypes["module"] = module_dtype
     plan = ExportPlan(engine="deepspeed", source=tag_dir, tag=None, tensors=ordered,
@@ -208,6 +208,11 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
                               "mp_size": 1, "mp_axis": "none", "mp_axis_reason": None})
     if missing:
         plan.detail["missing_tensors"] = missing
+    unread = stage0.masters_unread(model, model_path, {t.name: t for t in ordered}, what) if not ranks else None
+    if unread:
+        plan.detail["dtype_required"] = {"dtype": unread[0], "reason": unread[1]}
+        plan.notes.append(f"16-bit module weights, fp32 masters not read ({plan.detail['optimizer']}): "
+                          + (f"export with --dtype {unread[0]}" if unread[0] else "not exportable yet"))
     if stage >= 2 and model.get("frozen_param_shapes") is None:
         # ZeRO-2/3 record frozen parameters ({} when there are none) unless saved without them.
         plan.detail["exclude_frozen_parameters"] = True

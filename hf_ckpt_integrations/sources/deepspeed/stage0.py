@@ -6,24 +6,24 @@ parameter and persistent buffer, whole) and the optimizer's own state dict under
 ``param_shapes`` and ``shared_params`` are recorded as None. Trained in fp32, the module
 weights are the fp32 weights the optimizer steps: they are exported as they are. A 16-bit
 module (fp16, or bf16 under DeepSpeed's ``FP16_Optimizer``/``FP16_UnfusedOptimizer``) keeps
-its fp32 masters in the optimizer's state, per parameter group and without names: that layout
-is refused by name (what the file records) unless the export asks for the module's own dtype
-(``--dtype bf16``/``fp16``), which the module weights are exactly.
+its fp32 masters in the optimizer's state, per parameter group and without names: the plan holds
+the 16-bit weights (``inspect`` and ``verify`` read them) and records why an export in another
+dtype is refused (``detail["dtype_required"]``, checked by the export front end): only the module's
+own dtype (``--dtype bf16``/``fp16``) is what the engine holds, exactly.
 
 Tied parameters have no ``shared_params`` record here: the module state dict holds them under
 every name, as views of one storage, which is how they are recognised (:func:`tied_names`).
 """
 
 from collections import OrderedDict
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
-from ...errors import LayoutError
 from ...formats.dtypes import to_user
 from ...formats.torch_files import TensorRef
 from ...plan import TensorPlan
 from .fields import tensor_pieces
 
-__all__ = ["plan_stage0", "tied_names", "optimizer_kind"]
+__all__ = ["plan_stage0", "masters_unread", "tied_names", "optimizer_kind"]
 
 
 def optimizer_kind(model) -> str:
@@ -60,23 +60,32 @@ def tied_names(module: Dict[str, object]) -> Dict[str, str]:
     return out
 
 
-def plan_stage0(model, model_path, module, buffer_names, tensors, out_dtype, what) -> Dict[str, str]:
-    """Fill ``tensors`` with the module's weights (fp32: the weights the optimizer stepped) and
-    return the tied aliases. ``what``: the checkpoint as the files record it, for messages.
-    Raises :class:`LayoutError` for a 16-bit module whose fp32 masters sit in an unnamed
-    optimizer state (exporting the 16-bit copy as if it were the trained fp32 weights would be
-    silently lossy)."""
+def plan_stage0(model, model_path, module, buffer_names, tensors, what) -> Dict[str, str]:
+    """Fill ``tensors`` with the module's weights and return the tied aliases. In fp32 they are the
+    weights the optimizer stepped (kind ``master``). A 16-bit module's fp32 masters sit in an
+    unnamed optimizer state: its weights are planned as what they are (kind ``module``) and
+    :func:`masters_unread` says why a default (fp32) export must not pass them off as the masters.
+    ``what``: the checkpoint as the files record it, for messages."""
     aliases = tied_names(module)
     params = {n: r for n, r in module.items() if isinstance(r, TensorRef) and n not in aliases
               and n not in buffer_names}
-    dtypes = {r.dtype for r in params.values()}
-    if dtypes - {"F32"} and not (len(dtypes) == 1 and out_dtype in dtypes):
-        kind = optimizer_kind(model)
-        raise LayoutError(f"{model_path}: {what}: the module weights are {'/'.join(sorted(dtypes))} and the fp32 "
-                          f"masters are in the {kind}'s state, per parameter group and without names; reading "
-                          f"them is not supported yet: pass --dtype {to_user(dtypes.pop()) if len(dtypes) == 1 else 'bf16'} "
-                          "to export the module weights the engine holds, exactly as saved")
-    kind = "master" if dtypes <= {"F32"} else "module"
+    kind = "master" if all(r.dtype == "F32" for r in params.values()) else "module"
     for name, ref in params.items():
         tensors[name] = TensorPlan(name, ref.shape, ref.dtype, [[tensor_pieces(ref, 0, ref.numel)]], kind=kind)
     return aliases
+
+
+def masters_unread(model, model_path, tensors, what) -> Optional[Tuple[Optional[str], str]]:
+    """``(dtype, reason)`` when the parameters :func:`plan_stage0` planned (``tensors``) are 16-bit
+    module weights (their fp32 masters unread): an export in ``dtype`` (theirs) writes them exactly
+    as the engine holds them; any other is refused with ``reason`` (``dtype`` None: every one is).
+    None for an fp32 module."""
+    dtypes = {t.src_dtype for t in tensors.values() if t.kind == "module"}
+    if not dtypes:
+        return None
+    only = to_user(dtypes.pop()) if len(dtypes) == 1 else None
+    how = (f"pass --dtype {only} to export the module weights the engine holds, exactly as saved" if only else
+           "no single dtype holds them all: not supported yet")
+    return only, (f"{model_path}: {what}: the module weights are 16-bit and the fp32 masters are in the "
+                  f"{optimizer_kind(model)}'s state, per parameter group and without names; reading them is "
+                  f"not supported yet: {how}")
