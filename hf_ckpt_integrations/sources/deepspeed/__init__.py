@@ -217,7 +217,7 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
         # ZeRO-2/3 record frozen parameters ({} when there are none) unless saved without them.
         plan.detail["exclude_frozen_parameters"] = True
         plan.notes.append("saved with exclude_frozen_parameters=True: frozen parameters are not in this checkpoint "
-                          "(config.json's model names them; without one nothing records them)")
+                          "(the model's config names them; without one nothing records them)")
     version = model.get("ds_version")  # every release records it; the layout never depends on it
     plan.engine_version = version if isinstance(version, str) else None
     if ranks and ranks[0].prefix:
