@@ -32,6 +32,7 @@ from .zero12 import plan_zero12, plan_zero12_frozen
 from .zero3 import plan_zero3, plan_zero3_frozen
 from . import stage0
 from .bf16_optimizer import plan_bf16_optimizer
+from .recorded import describe, recorded_dp, recorded_stage, write_aliases
 
 __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "ALLOWED", "detect", "config_candidates", "plan", "plan_mp_rank",
            "resolve_tag_dir", "holds_checkpoint"]
@@ -85,22 +86,6 @@ def plan(ctx: PlanContext) -> ExportPlan:
     if config_dir is None and out.aliases:
         write_aliases(out)
     return out
-
-
-def write_aliases(plan: ExportPlan) -> None:
-    """Without an HF config there is no ``save_pretrained`` policy to follow: every name the module
-    has is written (a tied name as a copy of its weight, as ``zero_to_fp32`` does), so that
-    ``load_state_dict(strict=True)`` of a plain ``nn.Module`` loads the export."""
-    from dataclasses import replace
-
-    by_name = {t.name: t for t in plan.tensors}
-    written = [a for a, target in plan.aliases.items() if target in by_name and a not in by_name]
-    for alias in written:
-        plan.tensors.append(replace(by_name[plan.aliases[alias]], name=alias))
-    if written:
-        plan.notes.append("no config.json: tied names written as copies, every name the module has: "
-                          + ", ".join(f"{a} (= {plan.aliases[a]})" for a in written[:5]))
-    plan.aliases = {}
 
 
 def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_dtype):
@@ -223,27 +208,3 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
     if ranks and ranks[0].prefix:
         plan.notes.append(f"optimizer files carry the {ranks[0].prefix}_ prefix (mixed-precision training)")
     return plan, model.get("universal_checkpoint_info")
-
-
-def recorded_stage(model) -> int:
-    """The ZeRO stage the model-states file's ``ds_config`` records (0 when it records none)."""
-    cfg = model.get("ds_config")
-    zero = cfg.get("zero_optimization") if isinstance(cfg, dict) else None
-    stage = zero.get("stage") if isinstance(zero, dict) else None
-    return stage if type(stage) is int else 0
-
-
-def recorded_dp(model):
-    """The data-parallel size a model-states file records (``dp_world_size``), or None."""
-    dp = model.get("dp_world_size")
-    return dp if type(dp) is int else None
-
-
-def describe(stage, optimizer, dp) -> str:
-    """The checkpoint as its files record it, for messages: ``"ZeRO stage 0 (torch optimizer), no
-    optimizer files"``, ``"BF16_Optimizer, ZeRO stage 1, 2 data-parallel ranks"``."""
-    if optimizer == "ZeRO":
-        return f"ZeRO stage {stage}, {dp} data-parallel rank files"
-    if dp is None:
-        return f"ZeRO stage {stage} ({optimizer}), no optimizer partition files"
-    return f"{optimizer}, ZeRO stage {stage}, {dp} data-parallel rank files"
