@@ -5,7 +5,7 @@ import os
 from typing import Any, Mapping, Optional
 
 from . import sources
-from .errors import OptionError
+from .errors import CheckpointError, OptionError
 from .formats.dtypes import from_user
 from .guards import bad_metadata_as_input
 from .verify import VerifyReport, verify_plan
@@ -34,7 +34,8 @@ def inspect_checkpoint(src, *, tag: Optional[str] = None, config: Optional[str] 
 def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[str] = None,
                       max_shard_size=MAX_SHARD_SIZE, config: Optional[str] = None, overwrite: bool = False,
                       quiet: bool = True, tp_rules=None, workers: int = 1, merge_adapters: bool = False,
-                      base: Optional[str] = None, source_options: Optional[Mapping[str, Any]] = None) -> dict:
+                      base: Optional[str] = None, source_options: Optional[Mapping[str, Any]] = None,
+                      allow_missing: bool = False) -> dict:
     """Export ``src`` (any source the registry reads: DeepSpeed save dir, tag dir, Trainer
     ``checkpoint-N``, universal checkpoint, HF directory) to an HF directory ``dst``.
 
@@ -55,6 +56,9 @@ def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[st
     adapter is merged into its base model instead (``base``: the base model's directory, default
     the adapter config's ``base_model_name_or_path`` when it is a local directory), written in the
     base's Hub layout (see :mod:`.peft_merge`).
+
+    Tensors the checkpoint's own records or its config.json's model name but the checkpoint does
+    not hold (``inspect``: ``missing_tensors``) refuse the export unless ``allow_missing``.
     """
     check_max_shard_size(max_shard_size)  # before reading the checkpoint
     check_workers(workers)
@@ -63,6 +67,10 @@ def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[st
         raise OptionError("--base is only used with --merge-adapters")
     plan = sources.build_plan(src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules,
                               source_options=source_options)
+    check_missing(plan, src, allow_missing)
+    required = plan.detail.get("dtype_required")  # a source that holds only one dtype exactly
+    if required and (required["dtype"] is None or from_user(dtype) != from_user(required["dtype"])):
+        raise CheckpointError(required["reason"])
     from .parallel import world_from_env, write_plan_parallel
 
     if (merge_adapters or plan.adapter is not None) and world_from_env() > 1 and os.environ.get("RANK", "0") != "0":
@@ -89,3 +97,24 @@ def verify_checkpoint(dst, against, *, tag: Optional[str] = None, config: Option
                               layout_cache=False)
     with bad_metadata_as_input(dst):  # a hand-edited index or header of dst is bad input, not a bug
         return verify_plan(plan, dst)
+
+
+def check_missing(plan, src, allow_missing: bool) -> None:
+    """Refuse (:class:`~.errors.CheckpointError`) a plan some of whose model tensors the checkpoint
+    does not hold (``plan.detail["missing_tensors"]``), naming them and the way on; with
+    ``allow_missing`` the export goes on, with a note (``from_pretrained`` initialises them)."""
+    missing = plan.detail.get("missing_tensors") or []
+    if not missing:
+        return
+    names = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    if allow_missing:
+        plan.notes.append(f"exported without {len(missing)} tensor(s) the checkpoint does not hold ({names}); "
+                          "from_pretrained initialises them")
+        return
+    if plan.detail.get("exclude_frozen_parameters"):
+        why, other = " (saved with exclude_frozen_parameters=True)", "export from a save that includes them"
+    else:  # nothing says why: parameters left out of the save, or a config.json of another model
+        why, other = "", "pass --config the config.json of the model that was trained"
+    raise CheckpointError(f"{src}: the model has {len(missing)} tensor(s) this checkpoint does not hold{why}: "
+                          f"{names}; pass --allow-missing to export the tensors it holds (from_pretrained then "
+                          f"initialises the others), or {other}")

@@ -94,6 +94,8 @@ def inspect_command(args) -> int:
         print(json.dumps(info, indent=2))
         return EXIT_OK
     stage = f" (ZeRO stage {info['zero_stage']})" if info.get("zero_stage") is not None else ""
+    if info.get("optimizer") and info["optimizer"] != "ZeRO":  # DeepSpeed without a ZeRO optimizer
+        stage = f" (ZeRO stage {info['zero_stage']}, {info['optimizer']})"
     written = f", written by {info['engine_version']}" if info.get("engine_version") else ""
     print(f"engine      {info['engine']}{stage}{written}")
     print(f"tag         {info['tag']}   source {info['source']}")
@@ -118,6 +120,10 @@ def inspect_command(args) -> int:
           f"{info['parameters']:,} parameters, {info['bytes_fp32']:,} bytes in fp32")
     for line in _kept_fp32_lines(info.get("keep_fp32")):
         print(f"fp32 kept   {line}")
+    if info.get("missing_tensors"):
+        miss = info["missing_tensors"]
+        print(f"missing     {len(miss)} tensor(s) the model has and the checkpoint does not hold: {', '.join(miss[:8])}"
+              + (" ..." if len(miss) > 8 else "") + " (export refuses them without --allow-missing)")
     if info["aliases"]:
         print("tied        " + ", ".join(f"{a} -> {t}" for a, t in info["aliases"].items()))
     adapter = info.get("adapter")
@@ -184,6 +190,9 @@ def export_command_parser(subparsers=None):
                         "the adapter directory")
     p.add_argument("--base", metavar="DIR", help="with --merge-adapters: the base model's directory (default: "
                    "adapter_config.json's base_model_name_or_path when it is a local directory)")
+    p.add_argument("--allow-missing", action="store_true",
+                   help="export even when the model has tensors the checkpoint does not hold (inspect lists them: "
+                        "a save with exclude_frozen_parameters=True); from_pretrained initialises them")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     p.set_defaults(func=export_command)
     return p
@@ -196,7 +205,7 @@ def export_command(args) -> int:
     report = export_checkpoint(args.src, args.dst, tag=args.tag, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                config=args.config, overwrite=args.overwrite, quiet=args.quiet, tp_rules=args.tp_rule,
                                workers=args.workers, merge_adapters=args.merge_adapters, base=args.base,
-                               source_options=_source_options(args))
+                               source_options=_source_options(args), allow_missing=args.allow_missing)
     if os.environ.get("RANK", "0") != "0":
         return EXIT_OK
     for note in [n for n in report.get("notes", []) if "config.json" in n] + report.get("warnings", []):

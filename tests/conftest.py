@@ -107,6 +107,15 @@ CASES = {
     # Seed 004: many data-parallel ranks; lexicographic file order differs from rank order.
     "z2-dp12": ("ds_train.py", 12, ["--stage", "2"]),
     "z3-dp12": ("ds_train.py", 12, ["--stage", "3"]),
+    # DeepSpeed without ZeRO, its BF16_Optimizer, saves without frozen parameters, a plain nn.Module with
+    # tied parameters and no HF config (tests/test_deepspeed_configs.py).
+    "z0-fp32": ("ds_configs_train.py", 2, ["--stage", "0"]),
+    "z0-bf16": ("ds_configs_train.py", 2, ["--stage", "0", "--dtype", "bf16"]),
+    "bf16opt-z1": ("ds_configs_train.py", 2, ["--stage", "1", "--dtype", "bf16", "--grad-accum", "fp32"]),
+    "z2-exclude-frozen": ("ds_configs_train.py", 2, ["--stage", "2", "--frozen", "--exclude-frozen"]),
+    **{f"z{s}-module-tied": ("ds_configs_train.py", 2, ["--stage", str(s), "--model", "module-tied"]) for s in (0, 2)},
+    "replica-z0": ("ds_parallel_train.py", 2, ["--mode", "replica", "--stage", "0"]),
+    "autotp-z0": ("ds_parallel_train.py", 2, ["--mode", "autotp", "--stage", "0"]),
     # Seed 001: a hand-split TP Llama under a custom mpu; nothing records the merge rules.
     "tp-z1": ("ds_tp_train.py", 2, ["--stage", "1"]),
     "tp-z2": ("ds_tp_train.py", 2, ["--stage", "2"]),

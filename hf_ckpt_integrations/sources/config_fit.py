@@ -128,7 +128,7 @@ def _shape(s) -> str:
     return "[" + ", ".join(str(d) for d in s) + "]"
 
 
-def check_fits(model, shapes: Dict[str, Tuple[int, ...]], config_dir) -> None:
+def check_fits(model, shapes: Dict[str, Tuple[int, ...]], config_dir) -> list:
     """Refuse (LayoutError) when ``model`` (built from ``config_dir/config.json``) does not load exactly
     the checkpoint's tensors ``shapes`` (in-memory names, tied aliases already removed and renamed as
     ``save_pretrained`` keeps them): a tensor the model does not have, a model tensor the checkpoint
@@ -136,11 +136,14 @@ def check_fits(model, shapes: Dict[str, Tuple[int, ...]], config_dir) -> None:
     them: tied names save_pretrained leaves out, ``_keys_to_ignore_on_save``, buffers (persistent ones
     are optional: the model initialises them), and the patterns of ``_keys_to_ignore_on_load_missing``
     / ``_keys_to_ignore_on_load_unexpected`` (plus the old ``rotary_emb.inv_freq`` / ``position_ids``
-    buffers transformers itself ignores)."""
+    buffers transformers itself ignores). When the only difference is model tensors the checkpoint
+    lacks, each in a layer the checkpoint holds (a save with ``exclude_frozen_parameters=True``), their
+    names are returned instead (the export front end refuses them unless told: ``--allow-missing``);
+    otherwise []."""
     try:
         from transformers.modeling_utils import remove_tied_weights_from_state_dict
     except ImportError:  # transformers 4.x: no such helper; the Hub-layout pass does not run there either
-        return
+        return []
     path = os.path.join(os.fspath(config_dir), "config.json")
     state = dict(model.state_dict())
     kept = remove_tied_weights_from_state_dict(dict(state), model)
@@ -162,11 +165,25 @@ def check_fits(model, shapes: Dict[str, Tuple[int, ...]], config_dir) -> None:
         if name not in kept and name not in optional and not unexpected_ok(name):
             why = "ties it to another weight" if name in state else "has no such tensor"
             problems.append(f"the checkpoint holds {name} {_shape(s)}, but the model {why}")
+    missing = [name for name in kept if name not in shapes and name not in optional and not missing_ok(name)]
+    if len(missing) == len(problems) and all(_layer_held(name, shapes) for name in missing):
+        return missing
     if problems:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         raise LayoutError(f"{path}: its {model_type!r} model does not have exactly the checkpoint's tensors: "
                           f"{one_line(problems[0])}" + (f" ({len(problems)} differences)" if len(problems) > 1 else "")
                           + "; pass --config the config.json of the model that was trained")
+
+
+def _layer_held(name: str, shapes) -> bool:
+    """Whether the checkpoint holds some tensor of every numbered layer/expert in ``name``: a missing
+    tensor of a layer the checkpoint holds is a left-out parameter; a whole missing layer is a config
+    of another (larger) model."""
+    for m in _LAYER_INDEX.finditer(name):
+        prefix = name[:m.end()] + "."
+        if not any(s.startswith(prefix) for s in shapes):
+            return False
+    return True
 
 
 def _any_of(patterns):

@@ -260,8 +260,10 @@ def _read_cached(key: str, shapes, aliases) -> Optional[dict]:
     answer = read_answer("hub-layout", key)
     try:
         renames, layout, note = answer["renames"], answer["layout"], answer["note"]
-        ok = (isinstance(renames, dict) and all(k in shapes and isinstance(v, str) and aliases.get(v) == k
-                                                for k, v in renames.items())
+        missing = answer.get("missing", [])
+        ok = (isinstance(missing, list) and all(isinstance(m, str) for m in missing)
+              and isinstance(renames, dict) and all(k in shapes and isinstance(v, str) and aliases.get(v) == k
+                                                    for k, v in renames.items())
               and (note is None or isinstance(note, str))
               and (layout is None or (isinstance(layout, list) and all(
                   isinstance(h, list) and len(h) == 4 and isinstance(h[0], str) and isinstance(h[1], str)
@@ -294,9 +296,9 @@ def _derive(config_dir: str, model_type, shapes: Dict[str, Tuple[int, ...]], ali
                         "and has no registered save-time conversion: names written as trained"}
     renames = tied_renames(model, aliases)
     shapes = {renames.get(n, n): s for n, s in shapes.items()}
-    check_fits(model, shapes, config_dir)  # so a cached entry also says config.json fits these tensors
+    missing = check_fits(model, shapes, config_dir)  # so a cached entry also says config.json fits these tensors
     layout = hub_layout(shapes, model)
-    return {"renames": renames, "note": None,
+    return {"renames": renames, "note": None, "missing": missing,
             "layout": None if layout is None else [[h.name, h.source, list(h.shape), h.offset] for h in layout]}
 
 
@@ -321,6 +323,8 @@ def convert_plan(plan, cfg: dict, *, use_cache: bool = True) -> None:
             _write_cached(key, entry)
     if entry["note"]:
         plan.notes.append(entry["note"])
+    if entry.get("missing"):  # config.json's model has tensors the checkpoint does not hold
+        plan.detail["missing_tensors"] = sorted(set(plan.detail.get("missing_tensors", [])) | set(entry["missing"]))
     renames = entry["renames"]
     if renames:  # the tied group written under the name save_pretrained keeps
         plan.tensors = [dataclasses.replace(t, name=renames[t.name]) if t.name in renames else t for t in plan.tensors]

@@ -31,6 +31,9 @@ from .rank_files import RankFile, find_rank_files, holds_checkpoint, is_tag_dir,
 from .tp_merge import merge_model_parallel
 from .zero12 import plan_zero12, plan_zero12_frozen
 from .zero3 import plan_zero3, plan_zero3_frozen
+from . import stage0
+from .bf16_optimizer import plan_bf16_optimizer
+from .recorded import describe, recorded_dp, recorded_stage, write_aliases
 
 __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "ALLOWED", "detect", "config_candidates", "plan", "plan_mp_rank",
            "resolve_tag_dir", "holds_checkpoint"]
@@ -81,6 +84,8 @@ def plan(ctx: PlanContext) -> ExportPlan:
     out.source = src
     out.tag = tag
     out.detail["mp_size"] = len(mp_ranks)
+    if config_dir is None and out.aliases:
+        write_aliases(out)
     return out
 
 
@@ -94,12 +99,16 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
         missing = sorted(set(range(dp)) - set(ranks))
         raise LayoutError(f"{tag_dir}: data-parallel rank file(s) {missing[:8]} missing (found ranks "
                           f"{sorted(ranks)[:8]}{'...' if dp > 8 else ''}); copy the whole tag directory again")
-    stage = meta_int(ranks[0].osd["zero_stage"], ranks[0].path, "zero_stage")
+    # Which optimizer wrote the rank files decides the layout: ZeRO's records its stage; DeepSpeed's
+    # BF16_Optimizer (.bf16_optimizer) and no ZeRO at all (.stage0, no optimizer files) do not.
+    optimizer = "ZeRO" if ranks and "zero_stage" in ranks[0].osd else "BF16_Optimizer" if ranks else None
+    stage = meta_int(ranks[0].osd["zero_stage"], ranks[0].path, "zero_stage") if optimizer == "ZeRO" else 0
     experts = find_expert_files(tag_dir, os.listdir(tag_dir), mp_rank)  # MoE: expert groups count fewer ranks
-    if experts and stage == 3:
-        raise LayoutError(f"{experts.files[0]}: a DeepSpeed MoE save under ZeRO-3; hf-ckpt reads MoE expert "
+    if experts and (stage == 3 or optimizer != "ZeRO"):
+        raise LayoutError(f"{experts.files[0]}: a DeepSpeed MoE save under "
+                          f"{'ZeRO-3' if stage == 3 else optimizer or 'no ZeRO'}; hf-ckpt reads MoE expert "
                           "files under ZeRO-1/2 only")
-    for r in ranks.values():
+    for r in ranks.values() if optimizer == "ZeRO" else ():
         pc = r.osd.get("partition_count")
         counts = pc if isinstance(pc, list) else [pc]
         r_stage = meta_int(r.osd["zero_stage"], r.path, "zero_stage")
@@ -115,19 +124,39 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
                               f"per rank 0..{dp - 1}; found {sorted(str(k) for k in model_files)}")
     else:
         model_path = model_files.get(None)
+        if model_path is None and not ranks and model_files:
+            raise LayoutError(f"{tag_dir}: holds ZeRO-3 model-states files (zero_pp_rank_*_mp_rank_{mp_rank:02d}_"
+                              "model_states.pt) but no *_optim_states.pt, which hold the weights; the copy is "
+                              "incomplete: copy the whole tag directory again")
         if model_path is None:
             raise LayoutError(f"{tag_dir}: mp_rank_{mp_rank:02d}_model_states.pt is missing; copy the whole "
                               "tag directory again")
     model = load(model_path)
     param_groups = require(model, "param_shapes", model_path, "model-states")
     check_model_types(model, model_path)
+    if optimizer != "ZeRO":
+        stage = recorded_stage(model)
+        optimizer = optimizer or stage0.optimizer_kind(model)
+    what = describe(stage, optimizer, dp if ranks else None)
+    if not ranks and (stage != 0 or param_groups is not None):
+        raise LayoutError(f"{model_path}: records ZeRO stage {stage} (its ds_config and param_shapes), but the tag "
+                          "holds no *_optim_states.pt, which hold its weights; the copy is incomplete: copy the "
+                          "whole tag directory again")
+    if optimizer == "ZeRO" and param_groups is None:
+        raise LayoutError(f"{model_path}: records no param_shapes, but the optimizer files are ZeRO stage {stage}'s; "
+                          "files from different saves are mixed: copy one save's tag directory again")
     module = model.get("module") or {}
     shared = model.get("shared_params") or {}
     buffer_names = list(model.get("buffer_names") or [])
 
     tensors: "OrderedDict[str, TensorPlan]" = OrderedDict()
     notes: List[str] = []
-    if stage == 3:
+    if not ranks:
+        shared = stage0.plan_stage0(model, model_path, module, set(buffer_names), tensors, what)
+    elif optimizer == "BF16_Optimizer":
+        plan_bf16_optimizer(ranks, param_groups, model_path, tensors, module, what)
+        plan_zero12_frozen(model, model_path, tensors)
+    elif stage == 3:
         plan_zero3(ranks, param_groups, model_path, tensors)
         plan_zero3_frozen(model_files, dp, tensors)
     else:
@@ -155,20 +184,36 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
                 tensors[name] = TensorPlan(name, t.shape, ref.dtype, [[tensor_pieces(ref, 0, ref.numel)]],
                                            kind="module", module_check=t.module_check)
 
+    # Parameters the module records (ZeRO-3: empty placeholders) with no weights anywhere in the save.
+    params = [n for n, r in module.items() if isinstance(r, TensorRef) and n not in buffer_names]
+    missing = [n for n in params if n not in tensors and n not in shared]
+
     # Output order = the model's state_dict order (as save_pretrained writes it), then the rest.
     ordered = [tensors.pop(n) for n in list(module) if n in tensors]
     ordered += list(tensors.values())
     files = sorted({p.path for t in ordered for part in t.parts for p in part} | {model_path})
-    dtypes = {"master": "F32"}
+    dtypes = {"master": "F32"} if any(t.kind == "master" for t in ordered) or ranks else {}
     if module_dtype is not None:
         dtypes["module"] = module_dtype
     plan = ExportPlan(engine="deepspeed", source=tag_dir, tag=None, tensors=ordered,
                       aliases={str(k): str(v) for k, v in shared.items()}, dtypes=dtypes, files=files,
-                      detail={"zero_stage": stage, "dp_size": dp, "mp_size": 1, "mp_axis": "none",
-                              "mp_axis_reason": None})
+                      detail={"zero_stage": stage, "optimizer": optimizer, "dp_size": dp or recorded_dp(model),
+                              "mp_size": 1, "mp_axis": "none", "mp_axis_reason": None})
+    if missing:
+        plan.detail["missing_tensors"] = missing
+    unread = stage0.masters_unread(model, model_path, {t.name: t for t in ordered}, what) if not ranks else None
+    if unread:
+        plan.detail["dtype_required"] = {"dtype": unread[0], "reason": unread[1]}
+        plan.notes.append(f"16-bit module weights, fp32 masters not read ({plan.detail['optimizer']}): "
+                          + (f"export with --dtype {unread[0]}" if unread[0] else "not exportable yet"))
+    if stage >= 2 and model.get("frozen_param_shapes") is None:
+        # ZeRO-2/3 record frozen parameters ({} when there are none) unless saved without them.
+        plan.detail["exclude_frozen_parameters"] = True
+        plan.notes.append("saved with exclude_frozen_parameters=True: frozen parameters are not in this checkpoint "
+                          "(the model's config names them; without one nothing records them)")
     version = model.get("ds_version")  # every release records it; the layout never depends on it
     plan.engine_version = version if isinstance(version, str) else None
     plan.notes.extend(notes)
-    if ranks[0].prefix:
+    if ranks and ranks[0].prefix:
         plan.notes.append(f"optimizer files carry the {ranks[0].prefix}_ prefix (mixed-precision training)")
     return plan, model.get("universal_checkpoint_info")

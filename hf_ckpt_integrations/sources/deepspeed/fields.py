@@ -12,7 +12,7 @@ from ...formats.torch_files import TensorRef
 from ...plan import Piece
 
 __all__ = ["require", "check_model_types", "check_optim_types", "meta_int", "recorded_shape", "numel",
-           "tensor_pieces"]
+           "tensor_pieces", "fragment_address"]
 
 
 def require(obj, key, path, what):
@@ -37,7 +37,7 @@ def _str_dict(v):
 def check_model_types(model, path):
     """The model-states fields this source reads have the types DeepSpeed writes (a file from
     elsewhere, or a corrupt one, is refused by name rather than failing deep inside)."""
-    _typed(model.get("param_shapes"), lambda v: isinstance(v, list) and all(_str_dict(g) for g in v), path,
+    _typed(model.get("param_shapes") or [], lambda v: isinstance(v, list) and all(_str_dict(g) for g in v), path,
            "param_shapes")
     for key in ("module", "frozen_param_shapes", "frozen_param_fragments"):
         _typed(model.get(key) or {}, _str_dict, path, key)
@@ -89,3 +89,11 @@ def tensor_pieces(ref: TensorRef, start: int, count: int) -> Piece:
                           f"({start}+{count} > {ref.numel}); the file does not match the recorded shapes")
     offset, _ = ref.byte_range(start, count)
     return Piece(ref.path, offset, count, ref.dtype)
+
+
+def fragment_address(value, path):
+    """A ``param_slice_mappings`` entry (``fragment_address``) as ``(numel, start)``, or LayoutError."""
+    try:
+        return int(value.numel), int(value.start)
+    except (AttributeError, TypeError, ValueError):
+        raise LayoutError(f"{path}: a param_slice_mappings entry is not a fragment address; the file is corrupt")

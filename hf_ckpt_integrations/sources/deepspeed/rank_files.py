@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 from ... import guards
 from ...errors import CheckpointError, LayoutError
 from .allowlist import load
+from .bf16_optimizer import is_bf16_optimizer_state
 from .fields import check_optim_types, require
 
 __all__ = ["OPTIM_RE", "MODEL_RE", "RankFile", "is_tag_dir", "list_tags", "resolve_tag_dir", "holds_checkpoint",
@@ -103,9 +104,12 @@ class RankFile:
         if self._osd is None:
             obj = load(self.path)
             self._osd = require(obj, "optimizer_state_dict", self.path, "ZeRO optimizer")
-            if not isinstance(self._osd, dict) or "zero_stage" not in self._osd:
-                raise CheckpointError(f"{self.path}: optimizer state has no 'zero_stage'; not a ZeRO "
-                                      "checkpoint (ZeRO stage 0 / plain optimizers are not supported)")
+            if not isinstance(self._osd, dict) or ("zero_stage" not in self._osd and
+                                                   not is_bf16_optimizer_state(self._osd)):
+                keys = sorted(map(str, self._osd))[:6] if isinstance(self._osd, dict) else type(self._osd).__name__
+                raise CheckpointError(f"{self.path}: its optimizer state records neither 'zero_stage' (a ZeRO "
+                                      "optimizer) nor BF16_Optimizer's fp32 partitions (it holds "
+                                      f"{keys}); this optimizer's saves are not supported")
             check_optim_types(self._osd, self.path)
         return self._osd
 
@@ -113,7 +117,7 @@ class RankFile:
 def find_rank_files(tag_dir: str) -> Tuple[Dict[int, Dict[int, RankFile]], Dict[int, Dict[Optional[int], str]]]:
     """The rank files of ``tag_dir``: ``(optim, models)``, ``optim[mp][dp]`` a :class:`RankFile`,
     ``models[mp][dp]`` a model-states path (``dp`` None for ZeRO-1/2's one file per model-parallel
-    rank). Raises :class:`CheckpointError`/:class:`LayoutError` for an incomplete or mixed set."""
+    rank). Without ZeRO and its optimizer files, ``optim[mp]`` is empty. Raises :class:`CheckpointError`/:class:`LayoutError` for an incomplete or mixed set."""
     names = sorted(os.listdir(tag_dir))
     guards.refuse_unreadable_layouts(tag_dir, names)
     optim: Dict[int, Dict[int, RankFile]] = {}
@@ -131,10 +135,8 @@ def find_rank_files(tag_dir: str) -> Tuple[Dict[int, Dict[int, RankFile]], Dict[
             dp_rank = int(m.group(1)) if m.group(1) is not None else None
             claim(models.setdefault(int(m.group(2)), {}), dp_rank, os.path.join(tag_dir, n), tag_dir, n,
                    os.path.basename)
-    if not optim:
-        raise CheckpointError(f"{tag_dir}: no *_optim_states.pt files; the save is incomplete or was made "
-                              "with exclude_frozen_parameters/without a ZeRO optimizer: re-save it with "
-                              "engine.save_checkpoint()")
+    if not optim:  # no ZeRO (stage 0): the model-states files alone (see .stage0)
+        optim = {mp: {} for mp in models}
     if len(prefixes) > 1:
         raise LayoutError(f"{tag_dir}: optimizer files of different precisions mixed "
                           f"({sorted(p or 'fp32' for p in prefixes)}); files from two saves were copied "
