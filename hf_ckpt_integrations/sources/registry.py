@@ -24,10 +24,10 @@ from typing import Any, Dict, Mapping, Optional
 
 from ..errors import CheckpointError
 from ..formats.names import CONFIG_NAME
-from ..plan import ExportPlan, check_plan, decide_dtypes
+from ..plan import ExportPlan
 from . import dcp, deepspeed, hf_dir, hub_layout, peft, universal
 from .fp32_modules import keep_for_plan
-from .passes import drop_tied_aliases, find_config_dir, tie_embeddings
+from .passes import drop_tied_aliases, find_config_dir, finish_plan, tie_embeddings
 from .protocol import PlanContext, SourceOption, check_source, parse_options
 
 __all__ = ["SOURCES", "register", "find_source", "engine_checkpoint", "declared_options", "check_options",
@@ -131,7 +131,5 @@ def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[s
         drop_tied_aliases(plan, ctx)
         hub_layout.convert_plan(plan, ctx.config, use_cache=layout_cache)
     # The fp32-kept lists come from the same config read (the plan's config directory is the context's).
-    decide_dtypes(plan, dtype, keep_for_plan(plan, dtype, (lambda: ctx.config) if plan.config_dir == config_dir
-                                             else None))
-    check_plan(plan)
-    return plan
+    return finish_plan(plan, dtype, keep_for_plan(plan, dtype, (lambda: ctx.config) if plan.config_dir == config_dir
+                                                   else None))
