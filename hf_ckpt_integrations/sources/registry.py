@@ -99,11 +99,12 @@ def check_options(options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
 
 def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None,
               config: Optional[str] = None, options: Optional[Mapping[str, Any]] = None,
-              layout_cache: bool = True) -> ExportPlan:
+              layout_cache: bool = True, keep_fp32_lists: bool = False) -> ExportPlan:
     """``source``'s plan of ``path`` with the shared passes applied (see the module doc).
     ``options``: parsed source options (:func:`check_options`); those ``source`` does not declare
     are left out, with a note. ``layout_cache``: whether the Hub-layout pass may answer from its
-    cache."""
+    cache. ``keep_fp32_lists``: record the model class's fp32-kept modules whatever the dtype
+    (``inspect`` shows them), from the same config read."""
     options = dict(options or {})
     mine = {o.name: o for o in source.OPTIONS}
     ignored = sorted(set(options) - set(mine))
@@ -131,5 +132,6 @@ def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[s
         drop_tied_aliases(plan, ctx)
         hub_layout.convert_plan(plan, ctx.config, use_cache=layout_cache)
     # The fp32-kept lists come from the same config read (the plan's config directory is the context's).
-    return finish_plan(plan, dtype, keep_for_plan(plan, dtype, (lambda: ctx.config) if plan.config_dir == config_dir
-                                                   else None))
+    keep = keep_for_plan(plan, dtype, (lambda: ctx.config) if plan.config_dir == config_dir else None,
+                         always=keep_fp32_lists)
+    return finish_plan(plan, dtype, keep)
