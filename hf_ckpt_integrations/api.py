@@ -23,11 +23,9 @@ def inspect_checkpoint(src, *, tag: Optional[str] = None, config: Optional[str] 
     Reads metadata only. Raises :class:`~hf_ckpt_integrations.errors.CheckpointError` for a
     checkpoint that cannot be exported.
     """
-    from .sources.fp32_modules import keep_fp32_of_config
-
-    plan = sources.build_plan(src, tag=tag, config=config, tp_rules=tp_rules, source_options=source_options)
-    if plan.adapter is None:  # which tensors a bf16/fp16 export keeps in fp32, and why
-        plan.keep_fp32 = keep_fp32_of_config(plan.config_dir)
+    # keep_fp32_lists: which tensors a bf16/fp16 export keeps in fp32, and why (from the one config read)
+    plan = sources.build_plan(src, tag=tag, config=config, tp_rules=tp_rules, source_options=source_options,
+                              keep_fp32_lists=True)
     return plan.summary()
 
 

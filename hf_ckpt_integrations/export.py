@@ -1,18 +1,17 @@
 """The offline export: a plan written to an HF directory in one process.
 
-Runs the one writer (:func:`~.orchestrator.write`) with one rank and the
-:class:`~.commit.SiblingSwap` strategy, over the tensors :func:`~.writer.plan_tensors` builds;
+Runs the one writer (:func:`~.orchestrator.write`) on the plan, with one rank and the
+:class:`~.commit.SiblingSwap` strategy;
 :func:`export_finisher` is the last step every export shares (also
 :func:`~.parallel.write_plan_parallel`'s).
 """
 
 from typing import List, Optional
 
-from .mapped_files import MappedFiles
 from .orchestrator import write
 from .plan import ExportPlan
 from .formats.config import write_config
-from .writer import MAX_SHARD_SIZE, check_max_shard_size, check_workers, copy_adapter_config, export_strategy, plan_tensors
+from .writer import MAX_SHARD_SIZE, check_max_shard_size, check_workers, copy_adapter_config, decided, export_strategy
 
 __all__ = ["write_plan", "export_finisher"]
 
@@ -33,11 +32,9 @@ def write_plan(plan: ExportPlan, dst, *, dtype: Optional[str] = None, max_shard_
     max_shard_size = check_max_shard_size(max_shard_size)
     check_workers(workers)
     strategy = export_strategy(dst, plan, overwrite=overwrite)
-    with MappedFiles() as files:
-        tensors = plan_tensors(plan, dtype, files, ranges=True)
-        report = write(tensors, strategy, max_shard_size=max_shard_size, finish=export_finisher(plan),
-                       fmt="adapter" if plan.adapter is not None else "safetensors",
-                       workers=workers, quiet=quiet, what=f"exporting into {dst}")
+    report = write(decided(plan, dtype), strategy, max_shard_size=max_shard_size, finish=export_finisher(plan),
+                   fmt="adapter" if plan.adapter is not None else "safetensors",
+                   workers=workers, quiet=quiet, what=f"exporting into {dst}")
     return _export_report(report)
 
 

@@ -2,19 +2,20 @@
 
 Offline export (:func:`~.export.write_plan`, one process), rank-parallel export
 (:func:`~.parallel.write_plan_parallel`, under torchrun) and the save-time hooks
-(:func:`~.integrations._dist.write_distributed`) are thin front ends that build the tensors and
-a commit strategy (:mod:`.commit`) and call :func:`write`. Call order — every rank of ``comm``
-calls :func:`write` with the same tensor names, sizes and order; "rank 0" is rank 0 of ``comm``:
+(:func:`~.integrations._dist.write_distributed`) are thin front ends that build an
+:class:`~.plan.ExportPlan` (its output dtypes decided, :func:`~.plan.check_plan` passed) and a
+commit strategy (:mod:`.commit`) and call :func:`write`; the writer's per-shard inputs
+(:func:`~.writer.plan_tensors`) are its own detail. Call order — every rank of ``comm`` calls
+:func:`write` with the same plan (tensor names, sizes and order); "rank 0" is rank 0 of ``comm``:
 
 1. **prepare** (rank 0, :meth:`~.comm.Comm.on_rank0`): ``strategy.begin()`` checks and locks the
    destination and creates the staging directory; :func:`assign` splits the tensors into shards
    (``huggingface_hub``'s split, so the names match ``save_pretrained``) and assigns each shard to a
    rank, once. Both are broadcast (one collective); a refusal raises on every rank.
-2. **bind** (every rank): a live source's plan (:class:`~.plan.TensorPlan` with
-   :class:`~.plan.LivePiece`\ s) becomes the tensors to write, each read given the rank the
-   assignment names (a live ZeRO-3 or ColossalAI source sends its pieces only to that rank); a
-   source never derives the assignment itself. (``bind(assignment)``, when given, does the same
-   for any other tensors.)
+2. **bind** (every rank): the plan's tensors become the tensors to write; a tensor produced on
+   request (:class:`~.plan.LivePiece`: a live engine's parameter, a LoRA merge) is read with the
+   rank the assignment names and the tensor's output dtype (a live ZeRO-3 or ColossalAI source
+   sends its pieces only to that rank); a source never derives the assignment itself.
 3. **write local shards** (every rank): the rank writing a shard streams it into the staging
    directory (:func:`~.writer.write_shard`, fsynced); with ``collective`` (reading a tensor is a
    collective), every other rank walks the same tensors in :func:`~.writer.shard_order` and calls
@@ -42,10 +43,11 @@ from .formats.dtypes import SIZES
 from .formats.names import (ADAPTER_SAFETENSORS_NAME, BIN_INDEX as BIN_INDEX_NAME, BIN_PATTERN, SAFETENSORS_INDEX,
                             SAFETENSORS_PATTERN)
 from .outfiles import open_new
-from .plan import TensorPlan
-from .writer import MAX_SHARD_SIZE, OutTensor, progress_bar, shard_order, write_shard
+from .mapped_files import MappedFiles
+from .plan import ExportPlan
+from .writer import MAX_SHARD_SIZE, OutTensor, plan_tensors, progress_bar, shard_order, write_shard
 
-__all__ = ["Assignment", "assign", "write", "live_out_tensors", "BIN_PATTERN", "BIN_INDEX_NAME"]
+__all__ = ["Assignment", "assign", "write", "BIN_PATTERN", "BIN_INDEX_NAME"]
 
 
 @dataclass
@@ -86,34 +88,50 @@ def assign(tensors: Sequence[OutTensor], max_shard_size, world: int, *, fmt: str
     return Assignment(shards, [i % world for i in range(len(shards))], split.is_sharded)
 
 
-def write(tensors: Sequence[OutTensor], strategy: Optional[CommitStrategy], *, comm: Optional[Comm] = None,
-          max_shard_size=MAX_SHARD_SIZE, fmt: str = "safetensors", collective: bool = False,
-          bind: Optional[Callable[[Assignment], Sequence[OutTensor]]] = None,
-          finish: Optional[Callable[[str, Sequence[OutTensor]], dict]] = None, what: str = "writing",
-          consequence: str = "nothing was written", workers: int = 1, quiet: bool = True) -> dict:
-    """Write ``tensors`` through ``strategy`` from every rank of ``comm`` (see the module doc).
+def write(plan: ExportPlan, strategy: Optional[CommitStrategy], *, comm: Optional[Comm] = None,
+          files: Optional[MappedFiles] = None, max_shard_size=MAX_SHARD_SIZE, fmt: str = "safetensors",
+          collective: bool = False, finish: Optional[Callable[[str, Sequence[OutTensor]], dict]] = None,
+          what: str = "writing", consequence: str = "nothing was written", workers: int = 1,
+          quiet: bool = True) -> dict:
+    """Write the tensors of ``plan`` (every output dtype decided: :func:`~.plan.decide_dtypes`)
+    through ``strategy`` from every rank of ``comm`` (see the module doc). Stored tensors are read
+    through ``files`` (a :class:`~.mapped_files.MappedFiles`; one is opened for the call when
+    None); a tensor produced on request (:class:`~.plan.LivePiece`) is read on behalf of the rank
+    the assignment names.
 
     ``strategy`` is used on rank 0 only (other ranks may pass ``None``). ``finish(staging, tensors)``
-    runs on rank 0 before the commit and returns extra report fields (config files copied,
-    warnings). ``workers`` > 1 writes that many shards at once from a thread pool (one process,
-    non-collective only). Returns, on every rank, ``{"destination", "files", "shards",
-    "shard_files", "sharded", "tensor_bytes", "written_here", "shards_by_rank", "world_size",
-    "seconds", ...finish's fields}``. Raises :class:`WriteError` on every rank when any rank failed
-    (with one process: the original error).
+    runs on rank 0 before the commit (``tensors``: the written tensors' ``name``/``dtype``/``shape``,
+    in plan order) and returns extra report fields (config files copied, warnings). ``workers`` > 1
+    writes that many shards at once from a thread pool (one process, non-collective only). Returns,
+    on every rank, ``{"destination", "files", "shards", "shard_files", "sharded", "tensor_bytes",
+    "written_here", "shards_by_rank", "world_size", "seconds", ...finish's fields}``. Raises
+    :class:`WriteError` on every rank when any rank failed (with one process: the original error).
     """
+    if files is None:
+        with MappedFiles() as files:
+            return write(plan, strategy, comm=comm, files=files, max_shard_size=max_shard_size, fmt=fmt,
+                         collective=collective, finish=finish, what=what, consequence=consequence, workers=workers,
+                         quiet=quiet)
+    if any(t.out_dtype is None for t in plan.tensors):
+        raise ValueError(f"{plan.source}: the plan's output dtypes are not decided (run plan.decide_dtypes)")
+    sizes = plan_tensors(plan, None, files, ranges=True)  # what the assignment needs: names and sizes
+    return _write_tensors(sizes, strategy, comm=comm, max_shard_size=max_shard_size, fmt=fmt, collective=collective,
+                          bind=lambda assignment: plan_tensors(plan, None, files, ranges=True, assignment=assignment),
+                          finish=finish, what=what, consequence=consequence, workers=workers, quiet=quiet)
+
+
+def _write_tensors(tensors: Sequence[OutTensor], strategy: Optional[CommitStrategy], *, comm: Optional[Comm] = None,
+                   max_shard_size=MAX_SHARD_SIZE, fmt: str = "safetensors", collective: bool = False,
+                   bind: Optional[Callable[[Assignment], Sequence[OutTensor]]] = None,
+                   finish: Optional[Callable[[str, Sequence[OutTensor]], dict]] = None, what: str = "writing",
+                   consequence: str = "nothing was written", workers: int = 1, quiet: bool = True) -> dict:
+    """:func:`write` over the writer's per-shard inputs: ``tensors`` (names and sizes for the
+    assignment), then ``bind(assignment)`` (the tensors whose ``chunks()`` are written)."""
     started = time.perf_counter()
     comm = comm or Comm()
     rank, world = comm.rank, comm.world
     if fmt not in ("safetensors", "bin", "adapter"):
         raise ValueError(f"fmt={fmt!r}; use 'safetensors', 'bin' or 'adapter'")
-    if any(isinstance(t, TensorPlan) for t in tensors):  # a live source's plan
-        if bind is not None:
-            raise ValueError("pass either a live plan or bind, not both")
-        plans = list(tensors)
-        tensors = [OutTensor(t.name, _dtype(t), tuple(t.shape), None) for t in plans]  # sizes only
-
-        def bind(assignment):
-            return live_out_tensors(plans, assignment)
 
     # 1. prepare: rank 0 locks and stages, and assigns the shards; every rank learns both.
     # From the moment begin() stages a directory, any exception or interrupt (SIGTERM arriving
@@ -259,37 +277,6 @@ class _Tracked:
         for t in shard_order(tensors):
             if t.name not in self.done:
                 drain(t)
-
-
-@dataclass
-class _LiveOut(OutTensor):
-    drain: Optional[Callable[[], None]] = None
-
-
-def live_out_tensors(plans: Sequence[TensorPlan], assignment: Assignment) -> List[OutTensor]:
-    """The tensors to write for a live plan: each :class:`~.plan.LivePiece` read on behalf of the
-    rank the assignment gives its tensor (``chunks()`` on that rank; ``drain()``, the same read
-    with its bytes dropped, on the others)."""
-    out = []
-    for t in plans:
-        writer = assignment.writer_of(t.name)
-        pieces = [p for part in t.parts for p in part]
-
-        def chunks(pieces=pieces, writer=writer):
-            for p in pieces:
-                yield from p.read(p.lo, p.hi, writer)
-
-        def drain_(chunks=chunks):
-            for _ in chunks():
-                pass
-
-        out.append(_LiveOut(t.name, _dtype(t), tuple(t.shape), chunks, drain_))
-    return out
-
-
-def _dtype(t: TensorPlan) -> str:
-    """What a live read yields: the plan's output dtype (a live source casts while reading)."""
-    return t.out_dtype or t.src_dtype
 
 
 def drain(t: OutTensor) -> None:

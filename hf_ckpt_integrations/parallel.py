@@ -25,10 +25,9 @@ from typing import Optional
 
 from .comm import torchrun_comm
 from .export import export_finisher
-from .mapped_files import MappedFiles
 from .orchestrator import write
 from .plan import ExportPlan
-from .writer import MAX_SHARD_SIZE, check_max_shard_size, export_strategy, plan_tensors
+from .writer import MAX_SHARD_SIZE, check_max_shard_size, decided, export_strategy
 
 __all__ = ["write_plan_parallel", "world_from_env"]
 
@@ -54,10 +53,9 @@ def write_plan_parallel(plan: Optional[ExportPlan], dst, *, dtype: Optional[str]
     with torchrun_comm(group) as comm:
         plan = comm.broadcast(plan if comm.rank == 0 else None)
         strategy = export_strategy(dst, plan, overwrite=overwrite)
-        with MappedFiles() as files:
-            tensors = plan_tensors(plan, dtype, files, ranges=True)
-            report = write(tensors, strategy, comm=comm, max_shard_size=max_shard_size, finish=export_finisher(plan),
-                           quiet=quiet, what=f"{os.path.abspath(os.fspath(dst))}: rank-parallel export")
+        report = write(decided(plan, dtype), strategy, comm=comm, max_shard_size=max_shard_size,
+                       finish=export_finisher(plan), quiet=quiet,
+                       what=f"{os.path.abspath(os.fspath(dst))}: rank-parallel export")
     keys = ("destination", "files", "shards", "tensor_bytes", "bytes_on_disk", "config_files", "warnings", "seconds",
             "world_size", "shards_by_rank")
     return {k: report[k] for k in keys}

@@ -198,14 +198,17 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
     no local base; :class:`~.errors.LayoutError` when the adapter and the base do not fit. Nothing
     is written then.
     """
+    from dataclasses import replace
+
     from .assemble import torch_tensor
     from .mapped_files import MappedFiles
+    from .plan import LivePiece, check_plan
     from .sources import build_plan
     from .sources.peft import check_lora_config, pattern_budget, read_adapter_config
     from .commit import SiblingSwap
     from .orchestrator import write
     from .formats.config import write_config
-    from .writer import OutTensor, check_max_shard_size, plan_inputs, plan_tensors
+    from .writer import check_max_shard_size, decided, plan_inputs
 
     started = time.perf_counter()
     if adapter_plan.adapter is None:
@@ -236,8 +239,9 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
     with pattern_budget():  # every pattern match of this merge, together
         merges = _plan_merges(cfg, cfg_path, targets, base_by_name, base_plan, base_dir)
     skipped: List[str] = []
+    decided(base_plan, dtype)
     with MappedFiles() as files:
-        out = plan_tensors(base_plan, dtype, files, ranges=True)
+        out = list(base_plan.tensors)
         by_name = {t.name: i for i, t in enumerate(out)}
 
         def merged_chunks(wt, module, parts, out_dtype):
@@ -265,21 +269,25 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
             del was_finite, w
             yield memoryview(merged.contiguous().view(torch.uint8).reshape(-1).numpy())
 
+        # The merged plan: the base's, each merged weight computed when the writer asks (a
+        # LivePiece), each modules_to_save copy read in the base tensor's output dtype.
         for name, (module, parts) in targets.items():
             wt = base_by_name[name]
-            d = out[by_name[name]].dtype
-            out[by_name[name]] = OutTensor(name, d, tuple(wt.shape),
-                                           lambda wt=wt, module=module, parts=parts, d=d: merged_chunks(
-                                               wt, module, parts, d))
-        from .assemble import iter_bytes
 
+            def read(lo, hi, writer, d, wt=wt, module=module, parts=parts):
+                return merged_chunks(wt, module, parts, d)
+
+            out[by_name[name]] = replace(wt, parts=[[LivePiece(read, 0, wt.numel, wt.src_dtype)]], chunks=None,
+                                         part_shapes=None, cat_dim=None, keep_rows=None, elem_range=None, replicas=[],
+                                         module_check=None, tied_copies=[])
         for name, at in replaced.items():
             bt = base_by_name[name]
             if tuple(at.shape) != tuple(bt.shape):
                 raise LayoutError(f"{name}: the modules_to_save copy has shape {list(at.shape)}, the base "
                                   f"{list(bt.shape)}; pass --base the model the adapter was trained on")
-            d = out[by_name[name]].dtype  # the base tensor's output dtype
-            out[by_name[name]] = OutTensor(name, d, tuple(bt.shape), lambda at=at, d=d: iter_bytes(at, d, files))
+            out[by_name[name]] = replace(at, name=name, out_dtype=bt.out_dtype)  # the base tensor's output dtype
+        merged_plan = replace(base_plan, tensors=out)
+        check_plan(merged_plan)
 
         def finish(staging, tensors):
             copied = write_config(staging, config_dir=base_plan.config_dir, skipped=skipped,
@@ -288,7 +296,7 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
 
         strategy = SiblingSwap(dst, overwrite=overwrite, inputs=plan_inputs(adapter_plan) + plan_inputs(base_plan),
                                configs=[base_plan.config_dir])
-        report = write(out, strategy, max_shard_size=max_shard_size, finish=finish, quiet=quiet,
+        report = write(merged_plan, strategy, files=files, max_shard_size=max_shard_size, finish=finish, quiet=quiet,
                        what=f"merging into {dst}")
     keys = ("destination", "files", "shards", "tensor_bytes", "bytes_on_disk", "config_files", "warnings")
     return {**{k: report[k] for k in keys}, "merged": sorted(targets), "replaced": sorted(replaced), "base": base_dir,

@@ -37,11 +37,11 @@ from .formats.safetensors import encode_header
 from .guards import copyable_problem
 from .mapped_files import MappedFiles
 from .outfiles import open_new
-from .plan import ExportPlan, decide_dtypes
+from .plan import ExportPlan, LivePiece, decide_dtypes
 
 __all__ = ["OutTensor", "split_shards", "shard_order", "write_shard", "write_index", "MAX_SHARD_SIZE",
            "SAFETENSORS_FILENAME_PATTERN", "INDEX_NAME", "TMP_MARKER", "CONFIG_FILES", "check_max_shard_size",
-           "check_workers", "plan_inputs", "export_strategy", "disk_error"]
+           "check_workers", "plan_inputs", "export_strategy", "disk_error", "plan_tensors", "decided"]
 
 @dataclass
 class OutTensor:
@@ -210,18 +210,55 @@ def progress_bar(total, desc, quiet):
                 leave=False)
 
 
-def plan_tensors(plan: ExportPlan, dtype: Optional[str], files: MappedFiles, *, ranges: bool = False
-                 ) -> List[OutTensor]:
-    """The plan's tensors as :class:`OutTensor`, reading through ``files``; with ``ranges``, stored
-    bytes come as :class:`~.assemble.FileRange` (only :func:`write_shard` consumes those)."""
+def decided(plan: ExportPlan, dtype: Optional[str] = None) -> ExportPlan:
+    """``plan`` with every tensor's output dtype decided for ``dtype``: as it is when the registry's
+    passes already decided that (:func:`~.plan.decide_dtypes`); a plan built for another dtype (or
+    by hand) is decided here, once, by the same rule. Returns ``plan``."""
     if (dtype is not None and dtype_from_name(dtype) != plan.out_dtype) or any(t.out_dtype is None
                                                                               for t in plan.tensors):
         from .sources.fp32_modules import keep_for_plan
 
-        # A plan built for another dtype (or by hand): decided here, once, by the same rule.
         decide_dtypes(plan, dtype, keep_for_plan(plan, dtype))
+    return plan
+
+
+def plan_tensors(plan: ExportPlan, dtype: Optional[str], files: MappedFiles, *, ranges: bool = False,
+                 assignment=None) -> List[OutTensor]:
+    """The writer's per-shard inputs for ``plan`` (:func:`decided` for ``dtype`` first), reading
+    through ``files``; with ``ranges``, stored bytes come as :class:`~.assemble.FileRange` (only
+    :func:`write_shard` consumes those). A tensor produced on request (:class:`~.plan.LivePiece`)
+    is read on behalf of the rank ``assignment.writer_of(name)`` names (``chunks()`` there;
+    ``drain()``, the same read with its bytes dropped, elsewhere); without an ``assignment`` it is
+    sizes only (what the assignment itself needs)."""
+    decided(plan, dtype)
     out = []
     for t in plan.tensors:
         d = t.out_dtype
-        out.append(OutTensor(t.name, d, tuple(t.shape), lambda t=t, d=d: iter_bytes(t, d, files, ranges=ranges)))
+        pieces = [p for part in t.parts for p in part]
+        if pieces and all(isinstance(p, LivePiece) for p in pieces):
+            out.append(_produced(t, d, assignment))
+        else:
+            out.append(OutTensor(t.name, d, tuple(t.shape), lambda t=t, d=d: iter_bytes(t, d, files, ranges=ranges)))
     return out
+
+
+@dataclass
+class _Produced(OutTensor):
+    drain: Optional[Callable[[], None]] = None
+
+
+def _produced(t, d: str, assignment) -> OutTensor:
+    if assignment is None:
+        return OutTensor(t.name, d, tuple(t.shape), None)
+    writer = assignment.writer_of(t.name)
+    pieces = [p for part in t.parts for p in part]
+
+    def chunks():
+        for p in pieces:
+            yield from p.read(p.lo, p.hi, writer, d)
+
+    def drain():
+        for _ in chunks():
+            pass
+
+    return _Produced(t.name, d, tuple(t.shape), chunks, drain)

@@ -206,15 +206,14 @@ def test_live_save_is_transformers_load_then_save(family, masters, tmp_path_fact
     """The live source (the Accelerate hook's): an fp32 model written in fp16."""
     from hf_ckpt_integrations.integrations._dist import write_config_on_rank0, write_distributed
     from hf_ckpt_integrations.sources.live import live_tensors
-    from hf_ckpt_integrations.writer import OutTensor
 
     cls, d = masters[family]
     root = tmp_path_factory.getbasetemp()
     ours = root / f"live-{family}"
     model = cls.from_pretrained(d)
-    tensors = live_tensors(model, dtype="fp16")
-    write_distributed(tensors, ours)
-    write_config_on_rank0(model, ours, [OutTensor(t.name, t.out_dtype, t.shape, None) for t in tensors])
+    plan = live_tensors(model, dtype="fp16")
+    write_distributed(plan, ours)
+    write_config_on_rank0(model, ours, plan)
     _assert_same(ours, _reference(masters, family, "fp16", root))
 
 

@@ -19,12 +19,12 @@ import pytest
 
 from helpers import REPO, assert_refused, hf_ckpt, leftovers, tree_digest
 
-from hf_ckpt_integrations import commit
+from hf_ckpt_integrations import _staging, commit
 from hf_ckpt_integrations.api import export_checkpoint
 from hf_ckpt_integrations.commit import MergeIntoCheckpoint, SiblingSwap
 from hf_ckpt_integrations.errors import DestinationError
 from hf_ckpt_integrations.orchestrator import write
-from hf_ckpt_integrations.writer import OutTensor
+from hf_ckpt_integrations.plan import ExportPlan, LivePiece, TensorPlan
 
 FIXTURE = REPO / "tests" / "fixtures" / "deepspeed" / "0.18.9" / "zero2"
 
@@ -94,7 +94,7 @@ def test_planted_at_our_next_name_is_skipped(case, monkeypatch, where):
     victim = case / "ckpt" / "latest"
     before = _fingerprint(victim)
     nonces = iter(["feedfeedfeedfeed", "0123456789abcdef"])
-    monkeypatch.setattr(commit, "_nonce", lambda: next(nonces))
+    monkeypatch.setattr(_staging, "_nonce", lambda: next(nonces))  # the owner markers' nonces
     planted = case / f".out.hfckpt-tmp-{os.getpid()}-feedfeedfeedfeed"
     planted = planted.with_name(planted.name + ".owner") if where == "marker" else planted
     planted.symlink_to(victim if where == "marker" else case / "ckpt" / "global_step2")
@@ -248,7 +248,8 @@ def test_destination_inside_the_base_model_is_refused(tmp_path):
 
 def _tensors():
     a = np.arange(12, dtype=np.float32)
-    return [OutTensor("w", "F32", (3, 4), lambda: iter([memoryview(a.tobytes())]))]
+    read = LivePiece(lambda lo, hi, writer, dtype: iter([memoryview(a.tobytes())]), 0, 12, "F32")
+    return ExportPlan("test", "synthetic", None, [TensorPlan("w", (3, 4), "F32", [[read]], kind="live", out_dtype="F32")])
 
 
 def _victim(tmp_path):

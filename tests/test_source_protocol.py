@@ -76,6 +76,7 @@ def _broken(tmp_path, **overrides):
     ({"plan": lambda path, *, tag=None, dtype=None, config_dir=None, tp_rules=None: None},
      "plan() takes the PlanContext only"),
     ({"YIELDS_TO": ("nobody",)}, "YIELDS_TO must be a tuple of names of other registered sources"),
+    ({"ALLOWED": {"os": "system"}}, "ALLOWED, when given, must map module names to {global name: stand-in}"),
     ({"NAME": "deepspeed"}, "NAME 'deepspeed' is already registered"),
 ])
 def test_registry_rejects_a_source_that_breaks_the_protocol(tmp_path, change, reason):

@@ -1,7 +1,8 @@
-"""The one writer (``orchestrator.write``) and its commit strategies, directly.
+"""The one writer (``orchestrator.write``, which consumes an ``ExportPlan``) and its commit
+strategies, directly.
 
-Fast tests on synthetic tensors for the paths an engine run never takes (``renameat2``
-missing, a held lock, a commit interrupted halfway, ``copy_file_range`` failing or absent), and
+Fast tests on synthetic plans (tensors produced on request: ``LivePiece``; or byte ranges of a
+file) for the paths an engine run never takes (``renameat2`` missing, a held lock, a commit interrupted halfway, ``copy_file_range`` failing or absent), and
 one real ``torchrun`` (gloo, 2 ranks) save whose tensors are read by collectives, failing in
 the middle of a shard on one rank: no deadlock, nothing partial, the same error on every rank.
 """
@@ -18,13 +19,24 @@ import numpy as np
 import pytest
 
 from hf_ckpt_integrations import commit, orchestrator, writer
-from hf_ckpt_integrations.assemble import FileRange
 from hf_ckpt_integrations.commit import MergeIntoCheckpoint, SiblingSwap
 from hf_ckpt_integrations.errors import CheckpointError, DestinationError
-from hf_ckpt_integrations.orchestrator import OutTensor, write
+from hf_ckpt_integrations.orchestrator import write
+from hf_ckpt_integrations.plan import ExportPlan, LivePiece, Piece, TensorPlan
 from helpers import leftovers, load_safetensors
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def _produced(name, shape, chunks):
+    """An fp32 tensor of ``shape`` whose bytes ``chunks()`` yields when the writer asks."""
+    numel = int(np.prod(shape))
+    return TensorPlan(name, tuple(shape), "F32", [[LivePiece(lambda lo, hi, writer, dtype: chunks(), 0, numel, "F32")]],
+                      kind="live", out_dtype="F32")
+
+
+def _plan(tensors):
+    return ExportPlan("test", "synthetic", None, list(tensors))
 
 
 def _tensors(n=4, rows=8, cols=16, seed=0):
@@ -32,8 +44,8 @@ def _tensors(n=4, rows=8, cols=16, seed=0):
     for k in range(n):
         a = (np.arange(rows * cols, dtype=np.float32) + 1000 * k + seed).reshape(rows, cols)
         arrays[f"w.{k}"] = a
-        out.append(OutTensor(f"w.{k}", "F32", a.shape, lambda a=a: iter((memoryview(a.tobytes()),))))
-    return out, arrays
+        out.append(_produced(f"w.{k}", a.shape, lambda a=a: iter((memoryview(a.tobytes()),))))
+    return _plan(out), arrays
 
 
 def _state(directory):
@@ -97,7 +109,7 @@ def test_a_failing_shard_leaves_nothing_and_keeps_the_previous_export(tmp_path):
         yield memoryview(b"\0" * 8)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    tensors[2] = OutTensor("w.2", "F32", (8, 16), broken)
+    tensors.tensors[2] = _produced("w.2", (8, 16), broken)
     with pytest.raises(DestinationError, match="no space left while writing"):
         write(tensors, SiblingSwap(dst, overwrite=True), max_shard_size=600)
     _assert_state(dst, old_arrays)
@@ -193,8 +205,8 @@ def test_pread_fallback_when_copy_file_range_fails_or_is_missing(tmp_path, monke
     src = tmp_path / "src.bin"
     payload = np.random.default_rng(0).integers(0, 2**32, size=5000, dtype=np.uint32).tobytes()
     src.write_bytes(b"HEAD" + payload)
-    ranges = [FileRange(str(src), 4, 6000), FileRange(str(src), 4 + 6000, len(payload) - 6000)]
-    t = OutTensor("x", "F32", (5000,), lambda: iter(ranges))
+    pieces = [Piece(str(src), 4, 1500, "F32"), Piece(str(src), 4 + 6000, 3500, "F32")]  # two byte ranges
+    t = TensorPlan("x", (5000,), "F32", [pieces], out_dtype="F32")
     calls = []
     if how == "exdev":
         def refuse(*a):
@@ -207,11 +219,11 @@ def test_pread_fallback_when_copy_file_range_fails_or_is_missing(tmp_path, monke
     real_pread = os.pread
     monkeypatch.setattr(os, "pread", lambda fd, n, off: reads.append(n) or real_pread(fd, n, off))
     monkeypatch.setattr(writer, "_BLOCK", 4096)  # several blocks per range
-    write([t], SiblingSwap(tmp_path / "out"))
+    write(_plan([t]), SiblingSwap(tmp_path / "out"))
     got = load_safetensors(tmp_path / "out" / "model.safetensors")["x"].numpy().tobytes()
     assert got == payload
     assert max(reads) <= 4096 and sum(reads) == len(payload)
-    assert (1 <= len(calls) <= len(ranges)) if how == "exdev" else not calls  # not retried within a range
+    assert (1 <= len(calls) <= len(pieces)) if how == "exdev" else not calls  # not retried within a range
 
 
 def test_copy_file_range_real_errors_are_not_swallowed(tmp_path, monkeypatch):
@@ -222,28 +234,31 @@ def test_copy_file_range_real_errors_are_not_swallowed(tmp_path, monkeypatch):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(os, "copy_file_range", eio)
-    t = OutTensor("x", "F32", (16,), lambda: iter([FileRange(str(src), 0, 64)]))
+    t = TensorPlan("x", (16,), "F32", [[Piece(str(src), 0, 16, "F32")]], out_dtype="F32")
     with pytest.raises(CheckpointError, match="Input/output error"):
-        write([t], SiblingSwap(tmp_path / "out"))
+        write(_plan([t]), SiblingSwap(tmp_path / "out"))
     assert leftovers(tmp_path) == [] and not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------ assignment
 
 
-def test_shards_are_assigned_once_and_sources_receive_the_assignment(tmp_path):
-    tensors, arrays = _tensors(n=5)
-    seen = []
-
-    def bind(assignment):
-        seen.append(assignment)
-        return tensors
-
-    report = write(tensors, SiblingSwap(tmp_path / "out"), max_shard_size=600, bind=bind)
+def test_shards_are_assigned_once_and_sources_receive_the_assignment(tmp_path, monkeypatch):
+    plan, arrays = _tensors(n=5)
+    seen, reads = [], []
+    real_assign = orchestrator.assign
+    monkeypatch.setattr(orchestrator, "assign", lambda *a, **k: seen.append(real_assign(*a, **k)) or seen[-1])
+    for t in plan.tensors:  # each read learns the rank that writes its tensor, and the output dtype
+        (piece,), = t.parts
+        read = piece.read
+        t.parts = [[LivePiece(lambda lo, hi, w, d, name=t.name, read=read: reads.append((name, w, d)) or
+                              read(lo, hi, w, d), piece.lo, piece.hi, piece.dtype)]]
+    report = write(plan, SiblingSwap(tmp_path / "out"), max_shard_size=600)
     (a,) = seen
     assert [f for f, _ in a.shards] == report["shard_files"] and a.ranks == [0] * 5
     assert all(a.writer_of(n) == 0 for n in arrays)
-    assert orchestrator.assign(tensors, 600, 3).ranks == [0, 1, 2, 0, 1]
+    assert sorted(reads) == [(n, 0, "F32") for n in sorted(arrays)]
+    assert real_assign(writer.plan_tensors(plan, None, None), 600, 3).ranks == [0, 1, 2, 0, 1]
     _assert_state(tmp_path / "out", arrays)
 
 

@@ -10,14 +10,15 @@ files) only when every rank succeeded; otherwise every rank raises the same
 """
 
 import os
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 from ..comm import default_comm
 from ..commit import STAGING_NAME, MergeIntoCheckpoint, weight_files as existing_weights
 from ..formats.config import write_config
 from ..formats.safetensors import floating_dtypes
-from ..orchestrator import Assignment, write
-from ..writer import MAX_SHARD_SIZE, OutTensor
+from ..orchestrator import write
+from ..plan import ExportPlan
+from ..writer import MAX_SHARD_SIZE
 
 __all__ = ["write_distributed", "existing_weights", "existing_weights_dtype", "consolidate_checkpoint", "consolidate",
            "STAGING_NAME", "write_config_on_rank0", "SAVE_CONSEQUENCE"]
@@ -48,16 +49,16 @@ def _holds_plan_dtypes(directory, plan) -> bool:
     return all(held.get(t.name) == t.out_dtype for t in plan.tensors)
 
 
-def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_SHARD_SIZE,
+def write_distributed(plan: ExportPlan, dst, *, max_shard_size=MAX_SHARD_SIZE,
                       collective: bool = False, config_dir: Optional[str] = None,
                       replace_existing: bool = True, what: str = "HF export", fmt: str = "safetensors",
-                      bind: Optional[Callable[[Assignment], Sequence[OutTensor]]] = None) -> dict:
-    """Write ``tensors`` as HF weights into the existing-or-new directory ``dst`` (see module doc).
+                      files=None) -> dict:
+    """Write the tensors of ``plan`` as HF weights into the existing-or-new directory ``dst`` (see
+    module doc).
 
-    Called by every rank with the same ``tensors`` (names, sizes, order): writer tensors, or a live
-    source's plan (:class:`~..plan.TensorPlan` with :class:`~..plan.LivePiece`\ s, whose reads the
-    writer calls with each tensor's writing rank). ``bind(assignment)``, when given, returns the
-    tensors to write once the writer has assigned shards to ranks. With ``collective`` (reading a
+    Called by every rank with the same plan (names, sizes, order; output dtypes decided): an offline
+    source's (read through ``files``), or a live source's (:class:`~..plan.LivePiece`\ s, whose
+    reads the writer calls with each tensor's writing rank). With ``collective`` (reading a
     tensor is a collective) ranks that do not write a shard ``drain()`` its tensors. Existing
     weight files in ``dst`` are replaced as a set only after every rank has written its shards
     (``replace_existing``); other files are kept. Returns ``{"files": [shard names], "tensor_bytes":
@@ -67,21 +68,21 @@ def write_distributed(tensors: Sequence[OutTensor], dst, *, max_shard_size=MAX_S
     def finish(staging, tensors):
         return {"config_files": write_config(staging, config_dir=config_dir, tensor_dtypes=[t.dtype for t in tensors])}
 
-    report = write(tensors, MergeIntoCheckpoint(dst, replace_existing=replace_existing), comm=default_comm(),
-                   max_shard_size=max_shard_size, fmt=fmt, collective=collective, bind=bind,
+    report = write(plan, MergeIntoCheckpoint(dst, replace_existing=replace_existing), comm=default_comm(),
+                   files=files, max_shard_size=max_shard_size, fmt=fmt, collective=collective,
                    finish=finish if config_dir else None, what=what, consequence=SAVE_CONSEQUENCE)
     return {"files": report["shard_files"], "tensor_bytes": report["tensor_bytes"],
             "written_here": report["written_here"], "sharded": report["sharded"],
             "shards_by_rank": report["shards_by_rank"]}
 
 
-def write_config_on_rank0(module, directory, tensors=None, *, keep_existing: bool = False) -> None:
-    """Rank 0 writes config.json (with the dtype of ``tensors``, as save_pretrained records it); a
+def write_config_on_rank0(module, directory, plan: Optional[ExportPlan] = None, *, keep_existing: bool = False) -> None:
+    """Rank 0 writes config.json (with the output dtype of ``plan``'s tensors, as save_pretrained records it); a
     failure there raises on every rank. ``keep_existing``: rank 0 leaves a config.json already there
     (only rank 0 looks: every rank takes part in the collective whatever it finds). Collective."""
     def write_it():
         if not (keep_existing and os.path.isfile(os.path.join(directory, "config.json"))):
-            write_config(directory, model=module, tensor_dtypes=[t.dtype for t in tensors or ()])
+            write_config(directory, model=module, tensor_dtypes=[t.out_dtype for t in plan.tensors] if plan else [])
 
     default_comm().on_rank0(write_it, f"writing config.json into {directory}", SAVE_CONSEQUENCE)
 
@@ -100,7 +101,7 @@ def consolidate(checkpoint_dir, dst, *, what: str, tag: Optional[str] = None, dt
     when any rank failed (with one process: the error itself)."""
     from ..mapped_files import MappedFiles
     from ..sources import build_plan
-    from ..writer import plan_tensors
+    from ..writer import decided
 
     def plan_it():
         plan = build_plan(checkpoint_dir, tag=tag, dtype=dtype, config=config)
@@ -112,10 +113,9 @@ def consolidate(checkpoint_dir, dst, *, what: str, tag: Optional[str] = None, dt
     if kept:
         return None
     with MappedFiles() as files:
-        tensors = plan_tensors(plan, dtype, files, ranges=True)
-        return write_distributed(tensors, dst, max_shard_size=max_shard_size,
+        return write_distributed(decided(plan, dtype), dst, max_shard_size=max_shard_size,
                                  config_dir=plan.config_dir if copy_config else None,
-                                 replace_existing=replace_existing, what=what, fmt=fmt)
+                                 replace_existing=replace_existing, what=what, fmt=fmt, files=files)
 
 
 def consolidate_checkpoint(checkpoint_dir, *, tag: Optional[str] = None, dtype: Optional[str] = None,

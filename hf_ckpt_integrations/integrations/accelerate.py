@@ -36,7 +36,7 @@ from typing import Optional
 from ..formats.config import write_config
 from ..dtype_rule import request, trained_dtype
 from ..formats.dtypes import to_user
-from ..writer import MAX_SHARD_SIZE, OutTensor
+from ..writer import MAX_SHARD_SIZE
 from ..comm import WriteError, default_comm
 from ._dist import consolidate_checkpoint, write_config_on_rank0, write_distributed
 
@@ -82,15 +82,14 @@ def save_model(accelerator, model, save_directory, max_shard_size=None,
 
     if is_peft_model(module):  # only the adapter, as PeftModel.save_pretrained writes it
         return save_adapter_live(module, save_directory, dtype=dtype)
-    tensors = live_tensors(module, dtype=dtype)
+    plan = live_tensors(module, dtype=dtype)
     if max_shard_size is None:
         max_shard_size = _accelerate_default_shard()
-    report = write_distributed(tensors, save_directory, max_shard_size=max_shard_size,
+    report = write_distributed(plan, save_directory, max_shard_size=max_shard_size,
                                collective=reads_are_collective(module), replace_existing=True,
                                fmt="safetensors" if safe_serialization else "bin",
                                what=f"accelerator.save_model into {save_directory}")
-    write_config_on_rank0(module, save_directory, [OutTensor(t.name, t.out_dtype or t.src_dtype, t.shape, None)
-                                                   for t in tensors])
+    write_config_on_rank0(module, save_directory, plan)
     return report
 
 

@@ -66,8 +66,7 @@ def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, d
     plan = live_plan(infos, module, dtype=dtype)
     report = write_distributed(plan, checkpoint, max_shard_size=max_shard_size, collective=True,
                                replace_existing=True, what=what)
-    comm.on_rank0(lambda: write_config(checkpoint, model=module, tensor_dtypes=[t.out_dtype or t.src_dtype
-                                                                               for t in plan]),
+    comm.on_rank0(lambda: write_config(checkpoint, model=module, tensor_dtypes=[t.out_dtype for t in plan.tensors]),
                   f"writing config.json into {checkpoint}", SAVE_CONSEQUENCE)
     return report
 

@@ -92,14 +92,14 @@ def save_adapter_live(module, save_directory, *, dtype: Optional[str] = None) ->
     for adapter in _trained_adapters(module):
         out_dir = adapter_out_dir(os.path.abspath(os.fspath(save_directory)), adapter)
         what = f"saving adapter {adapter!r} into {out_dir}"
-        tensors, error = None, None
+        plan, error = None, None
         try:
-            tensors = live_tensors(module, dtype=dtype, select=lambda n, a=adapter: save_name(n, a))
-            check_not_empty(tensors, out_dir)
+            plan = live_tensors(module, dtype=dtype, select=lambda n, a=adapter: save_name(n, a))
+            check_not_empty(plan.tensors, out_dir)
         except Exception as e:
             error = e
         default_comm().all_ok(error, f"{what}: planning", SAVE_CONSEQUENCE)
         _config_on_rank0(module, adapter, out_dir, what)
-        reports[adapter] = write_distributed(tensors, out_dir, collective=reads_are_collective(module),
+        reports[adapter] = write_distributed(plan, out_dir, collective=reads_are_collective(module),
                                              replace_existing=False, what=what, fmt="adapter")
     return {"action": "written", "adapters": reports}

@@ -12,7 +12,8 @@ from ..guards import bad_metadata_as_input, check_tag_name, config_problem
 __all__ = ["build_plan"]
 
 
-def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None, source_options=None, layout_cache=True):
+def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None, source_options=None, layout_cache=True,
+               keep_fp32_lists=False):
     """Build the export plan for any supported checkpoint directory ``src``: the first source of the
     registry that claims it plans it, then the shared passes run, ending with
     :func:`~..plan.check_plan` (the writer never starts on a plan safetensors could not load).
@@ -25,6 +26,8 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None, source_
     or shape (which a source's own checks did not name) is reported as a
     :class:`~..errors.LayoutError` naming ``src`` (:func:`~..guards.bad_metadata_as_input`).
     ``layout_cache=False``: the Hub layout is derived from transformers, never read from its cache.
+    ``keep_fp32_lists``: the plan records the model class's fp32-kept modules whatever the dtype
+    (what ``inspect`` shows), from the export's one config read.
     """
     src = os.fspath(src)
     if not src.strip():
@@ -48,7 +51,7 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None, source_
     with bad_metadata_as_input(src):
         source = find_source(src, tag)
         plan = plan_with(source, src, tag=tag, dtype=dtype, config=config, options=options,
-                         layout_cache=layout_cache)
+                         layout_cache=layout_cache, keep_fp32_lists=keep_fp32_lists)
     if plan.config_dir is None and plan.adapter is None:  # say why a config.json beside the checkpoint was not used
         problem = config_problem(src)
         if problem and os.path.lexists(os.path.join(src, "config.json")):

@@ -6,8 +6,9 @@ Call order (every rank makes every call, in the same order):
    holds (local shape, dtype, TP sharding, vocabulary padding); all ranks get the same merged,
    global list of :class:`TensorInfo` (names from ``state_dict()``, so unheld pipeline stages and
    tied weights resolve to HF names).
-2. :func:`live_plan` turns the infos into :class:`~..plan.TensorPlan` objects with one
-   :class:`~..plan.LivePiece` each;
+2. :func:`live_plan` turns the infos into an :class:`~..plan.ExportPlan` whose tensors have one
+   :class:`~..plan.LivePiece` each, closed by the passes every plan gets
+   (:func:`~.passes.finish_plan`: the output dtype, ``check_plan``);
 3. the writer (:func:`~..orchestrator.write`) assigns each tensor to a rank and calls every read
    with that rank: on the writing rank the read receives the TP pieces from their holders
    (point-to-point, so only the writer ever holds the gathered tensor, and only one tensor at a
@@ -30,10 +31,11 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import LayoutError
-from ..dtype_rule import keep_fp32_of_model, output_dtype, request
+from ..dtype_rule import keep_fp32_of_model
 from ..formats.dtypes import FLOATS, from_torch, to_torch
-from ..plan import LivePiece, TensorPlan
+from ..plan import ExportPlan, LivePiece, TensorPlan
 from .live import own_bytes
+from .passes import finish_plan
 
 __all__ = ["TensorInfo", "describe_model", "live_plan", "local_tensors"]
 
@@ -213,15 +215,15 @@ def _gathered(info: TensorInfo, local, sources: Sequence[int], me: int, device):
     return full
 
 
-def live_plan(infos: Sequence[TensorInfo], module, *, dtype: Optional[str] = None) -> List[TensorPlan]:
+def live_plan(infos: Sequence[TensorInfo], module, *, dtype: Optional[str] = None) -> ExportPlan:
     """The plan for ``infos``: one :class:`~..plan.TensorPlan` per tensor, its one piece a
-    :class:`~..plan.LivePiece` whose ``read(lo, hi, writer)`` runs on every rank once the writer
+    :class:`~..plan.LivePiece` whose ``read(lo, hi, writer, dtype)`` runs on every rank once the writer
     has assigned the tensor to rank ``writer``: the writer receives the TP pieces from their
     holders (point to point), concatenates and unpads them, and yields the bytes; a holding rank
     sends its local piece to the writer; other ranks do nothing. Every rank must read the tensors
     in the same order (the writer's). ``dtype``: ``None`` keeps the training dtype;
     ``"fp32"``/``"bf16"``/``"fp16"`` casts floats, but the model class's fp32-kept modules
-    (:mod:`..dtype_rule`).
+    (decided by :func:`~.passes.finish_plan`, the rule every plan gets).
     """
     import torch
     import torch.distributed as dist
@@ -229,23 +231,19 @@ def live_plan(infos: Sequence[TensorInfo], module, *, dtype: Optional[str] = Non
     me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     mine = dict(local_tensors(module))
     device = next((t.device for t in mine.values()), torch.device("cpu"))
-    requested = request(dtype)
-    keep = keep_fp32_of_model(module)
     out = []
     for info in infos:
         local = mine.get(info.name)
-        out_dtype = output_dtype(info.name, info.dtype, requested, keep)
-        cast = to_torch(out_dtype) if info.dtype in FLOATS else None
 
-        def read(lo, hi, writer, info=info, local=local, cast=cast):
+        def read(lo, hi, writer, dtype, info=info, local=local):
             sources = info.sources(writer)
             if me == writer:
                 full = _gathered(info, local, sources, me, device)
-                yield own_bytes(full.reshape(-1)[lo:hi], cast)
+                yield own_bytes(full.reshape(-1)[lo:hi], to_torch(dtype) if info.dtype in FLOATS else None)
             elif me in sources:
                 dist.send(_to_bytes_tensor(local), dst=writer)
 
         numel = math.prod(info.shape)
-        out.append(TensorPlan(info.name, tuple(info.shape), out_dtype, [[LivePiece(read, 0, numel)]], kind="live",
-                              out_dtype=out_dtype))
-    return out
+        out.append(TensorPlan(info.name, tuple(info.shape), info.dtype, [[LivePiece(read, 0, numel, info.dtype)]],
+                              kind="live"))
+    return finish_plan(ExportPlan("live", type(module).__name__, None, out), dtype, keep_fp32_of_model(module))

@@ -42,15 +42,18 @@ def keep_fp32_of_config(config_dir: Optional[str], cfg: Optional[dict] = None) -
                     entry["model_class"])
 
 
-def keep_for_plan(plan, dtype: Optional[str], config: Optional[Callable[[], dict]] = None) -> Optional[KeepFp32]:
+def keep_for_plan(plan, dtype: Optional[str], config: Optional[Callable[[], dict]] = None, *,
+                  always: bool = False) -> Optional[KeepFp32]:
     """The lists an export of ``plan`` in ``dtype`` needs: those already on the plan, else, when a
-    load in ``dtype`` keeps any module in fp32 (bf16/fp16) and the plan is a model (not a PEFT
-    adapter, which peft saves as trained), those of its config's class; else None (nothing to read).
-    ``config``: returns ``plan.config_dir``'s config.json as already read (an export's
-    :class:`~.protocol.PlanContext`), called only when the lists are needed."""
+    load in ``dtype`` keeps any module in fp32 (bf16/fp16) — or ``always`` (what ``inspect`` shows
+    for every dtype) — and the plan is a model (not a PEFT adapter, which peft saves as trained),
+    those of its config's class; else None (nothing to read). ``config``: returns
+    ``plan.config_dir``'s config.json as already read (an export's :class:`~.protocol.PlanContext`),
+    called only when the lists are needed."""
     from ..formats.dtypes import from_user
 
-    if plan.keep_fp32 is not None or plan.adapter is not None or from_user(dtype) not in ("F16", "BF16"):
+    if plan.keep_fp32 is not None or plan.adapter is not None or (
+            not always and from_user(dtype) not in ("F16", "BF16")):
         return plan.keep_fp32
     return keep_fp32_of_config(plan.config_dir, config() if config is not None and plan.config_dir else None)
 

@@ -1,8 +1,10 @@
 """A live model (plain, DDP, DeepSpeed ZeRO-1/2/3) -> the same plan offline sources build.
 
-:func:`live_tensors` returns :class:`~..plan.TensorPlan` objects whose one piece is a
-:class:`~..plan.LivePiece`: nothing is copied up front; the writer calls ``read(lo, hi, writer)``
-once it has assigned the tensor to rank ``writer``, and the read yields the bytes:
+:func:`live_tensors` returns an :class:`~..plan.ExportPlan` whose tensors each have one
+:class:`~..plan.LivePiece`, closed by the passes every plan gets (:func:`~.passes.finish_plan`:
+the output dtype by the one rule, then ``check_plan``). Nothing is copied up front; the writer
+calls ``read(lo, hi, writer, dtype)`` once it has assigned the tensor to rank ``writer``, and the
+read yields the bytes, cast to the tensor's output dtype ``dtype`` one tensor at a time:
 
 - ZeRO-1/2 and plain modules: the parameter (often a view into ZeRO's flat buffer)
   is read in place — its own bytes only, never the whole storage, never a clone of the state dict;
@@ -41,9 +43,10 @@ import contextlib
 import math
 from typing import List, Optional
 
-from ..dtype_rule import keep_fp32_of_model, output_dtype, request
-from ..formats.dtypes import from_torch, to_torch
-from ..plan import LivePiece, TensorPlan
+from ..dtype_rule import keep_fp32_of_model
+from ..formats.dtypes import FLOATS, from_torch, to_torch
+from ..plan import ExportPlan, LivePiece, TensorPlan
+from .passes import finish_plan
 
 __all__ = ["live_tensors", "reads_are_collective", "own_bytes"]
 
@@ -73,8 +76,14 @@ def _is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor" or (hasattr(t, "full_tensor") and hasattr(t, "placements"))
 
 
-def _dtensor_reader(t, cast):
-    def read(lo, hi, writer=None):
+def _cast(dtype: str):
+    """The torch dtype a read casts floating tensors to (``dtype``: the tensor's output dtype)."""
+    return to_torch(dtype) if dtype in FLOATS else None
+
+
+def _dtensor_reader(t):
+    def read(lo, hi, writer, dtype):
+        cast = _cast(dtype)
         full = t.full_tensor()  # collective on t's mesh: every rank walks the same tensors in order
         yield own_bytes(_flat(full)[lo:hi], cast)
         del full
@@ -82,23 +91,22 @@ def _dtensor_reader(t, cast):
     return read
 
 
-def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> List[TensorPlan]:
-    """The tensors of ``module`` (unwrapped: the ``nn.Module``, not the DeepSpeed engine) to write,
+def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> ExportPlan:
+    """The plan of ``module`` (unwrapped: the ``nn.Module``, not the DeepSpeed engine): its tensors
     under the names and splits ``save_pretrained`` writes (:mod:`.hub_layout`: transformers 5's
     fused MoE experts become one tensor per expert, each a slice of the fused parameter).
 
     Each is a :class:`~..plan.TensorPlan` (kind ``"live"``) with one :class:`~..plan.LivePiece`.
     ``dtype``: ``None`` keeps each tensor's training dtype; ``"fp32"``/``"bf16"``/``"fp16"`` casts
     floating tensors (one tensor at a time), except those the model class keeps in fp32 for that
-    dtype (:mod:`..dtype_rule`; upcast from what the live model holds). Every rank must call it and
-    get the same list.
+    dtype (decided by :func:`~.passes.finish_plan`, the rule every plan gets; upcast from what the
+    live model holds). Every rank must call it and get the same plan.
     Raises :class:`~..errors.LayoutError` where transformers' save-time conversion is not a split
     along the leading dims.
 
     ``select``: ``name -> output name or None``: only the tensors it names, under those names, and no
     Hub-layout conversion (a PEFT adapter, :mod:`.peft`); the others are never read (or gathered).
     """
-    requested = request(dtype)
     keep = keep_fp32_of_model(module) if select is None else None  # an adapter is saved as trained
     state = module.state_dict(keep_vars=True)
     if select is not None:
@@ -109,7 +117,7 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> List[Te
     # parameters' groups are not the writer's: broadcast there).
     p2p = not any(getattr(p, "ds_is_replaced_module", False) for p in module.parameters())
     aliases = {}  # tied name -> the name written
-    sources = {}  # name -> (shape, out_dtype, read(lo, hi, writer) -> chunks)
+    sources = {}  # name -> (shape, stored dtype, read(lo, hi, writer, dtype) -> chunks)
     for name, t in state.items():
         if t is None:
             continue
@@ -119,18 +127,16 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> List[Te
             aliases[name] = seen[key]
             continue  # tied: written once, under the first name (or the one save_pretrained keeps)
         seen[key] = name
-        out_dtype = output_dtype(name, from_torch(t.dtype), requested, keep)
-        cast = to_torch(out_dtype) if t.is_floating_point() else None
         owner = owners.get(name.rpartition(".")[0])
         if getattr(t, "ds_is_replaced_module", False):
-            shape, read = _autotp_reader(name, t, owner, cast)
+            shape, read = _autotp_reader(name, t, owner)
         elif hasattr(t, "ds_id") and hasattr(t, "ds_shape"):
-            shape, read = tuple(t.ds_shape), _zero3_reader(t, cast, p2p)
+            shape, read = tuple(t.ds_shape), _zero3_reader(t, p2p)
         elif _is_dtensor(t):
-            shape, read = tuple(t.shape), _dtensor_reader(t, cast)
+            shape, read = tuple(t.shape), _dtensor_reader(t)
         else:
-            shape, read = tuple(t.shape), _local_reader(t, cast)
-        sources[name] = (shape, out_dtype, read)
+            shape, read = tuple(t.shape), _local_reader(t)
+        sources[name] = (shape, from_torch(t.dtype), read)
 
     if select is not None:
         layout = [(select(n), n, s[0], 0) for n, s in sources.items()]
@@ -140,16 +146,17 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> List[Te
         layout = live_layout(module, {n: s[0] for n, s in sources.items()}, aliases)
     out: List[TensorPlan] = []
     for name, src, shape, offset in layout:
-        _, out_dtype, read = sources[src]
-        piece = LivePiece(read, offset, offset + math.prod(shape))
-        out.append(TensorPlan(name, tuple(shape), out_dtype, [[piece]], kind="live", out_dtype=out_dtype,
+        _, stored, read = sources[src]
+        piece = LivePiece(read, offset, offset + math.prod(shape), stored)
+        out.append(TensorPlan(name, tuple(shape), stored, [[piece]], kind="live",
                               hub_source=src if src != name else None))
-    return out
+    plan = ExportPlan("live", type(module).__name__, None, out, aliases=aliases)
+    return finish_plan(plan, dtype, keep)
 
 
-def _local_reader(t, cast):
-    def read(lo, hi, writer=None):
-        yield own_bytes(_flat(t)[lo:hi], cast)
+def _local_reader(t):
+    def read(lo, hi, writer, dtype):
+        yield own_bytes(_flat(t)[lo:hi], _cast(dtype))
     return read
 
 
@@ -157,8 +164,9 @@ def _flat(t):
     return t.detach().reshape(-1)
 
 
-def _zero3_reader(param, cast, p2p):
-    def read(lo, hi, writer=None):
+def _zero3_reader(param, p2p):
+    def read(lo, hi, writer, dtype):
+        cast = _cast(dtype)
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         if param.ds_status == ZeroParamStatus.AVAILABLE:
@@ -303,7 +311,7 @@ def _autotp_full_shape(name, param, owner):
                      "parameter; save it with engine.save_checkpoint and export offline (hf-ckpt export)")
 
 
-def _autotp_reader(name, param, owner, cast):
+def _autotp_reader(name, param, owner):
     full_shape = _autotp_full_shape(name, param, owner)
     zero3 = hasattr(param, "ds_id")
 
@@ -323,8 +331,8 @@ def _autotp_reader(name, param, owner, cast):
                 for p, data in zip(own, saved):
                     p.data = data
 
-    def read(lo, hi, writer=None):
+    def read(lo, hi, writer, dtype):
         with gathered() as full:
-            yield own_bytes(_flat(full)[lo:hi], cast)
+            yield own_bytes(_flat(full)[lo:hi], _cast(dtype))
 
     return full_shape, read

@@ -6,17 +6,29 @@ handed the export's :class:`~.protocol.PlanContext` (whose config.json is read o
 - :func:`drop_tied_aliases` — the tied-weight policy of ``save_pretrained``;
 - :func:`tie_embeddings` — for state dicts holding a tied weight under both names: one written,
   the other checked to be a byte-identical replica;
-- the Hub-layout conversion lives in :mod:`.hub_layout` (:func:`~.hub_layout.convert_plan`).
+- the Hub-layout conversion lives in :mod:`.hub_layout` (:func:`~.hub_layout.convert_plan`);
+- :func:`finish_plan` — the passes that close every plan, offline or live: the output dtype
+  (:func:`~..plan.decide_dtypes`, the one rule) and :func:`~..plan.check_plan`.
 """
 
 from dataclasses import replace
 from typing import Optional
 
 from .. import guards
-from ..plan import ExportPlan
+from ..plan import ExportPlan, check_plan, decide_dtypes
 from .protocol import PlanContext
 
-__all__ = ["find_config_dir", "drop_tied_aliases", "tie_embeddings"]
+__all__ = ["find_config_dir", "drop_tied_aliases", "tie_embeddings", "finish_plan"]
+
+
+def finish_plan(plan: ExportPlan, dtype: Optional[str] = None, keep=None) -> ExportPlan:
+    """The last passes of every plan, whatever the source (the registry's offline plans, the live
+    ones of :mod:`.live` and :mod:`.colossalai`): every tensor's output dtype decided once by the
+    one rule (:func:`~..plan.decide_dtypes`; ``keep``: the model class's fp32-kept modules), then
+    :func:`~..plan.check_plan`. Returns ``plan``."""
+    decide_dtypes(plan, dtype, keep)
+    check_plan(plan)
+    return plan
 
 
 def find_config_dir(candidates) -> Optional[str]:

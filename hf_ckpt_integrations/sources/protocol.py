@@ -48,9 +48,11 @@ class SourceOption:
 class Source(Protocol):
     """A source: one module of ``sources/`` knowing one engine's on-disk layout.
 
-    Optional members: ``TIED_UNDER_BOTH_NAMES`` (bool: its state dicts hold a tied weight under both
-    names), ``YIELDS_TO`` (names of sources whose complete checkpoint in the same directory comes
-    first) and ``holds_checkpoint(path) -> bool`` (a complete checkpoint of this kind resolves at
+    Optional members: ``ALLOWED`` (the pickle allowlist its files are read with: module name ->
+    {global name: inert stand-in}, handed to :func:`~..formats.torch_files.load`),
+    ``TIED_UNDER_BOTH_NAMES`` (bool: its state dicts hold a tied weight under both names),
+    ``YIELDS_TO`` (names of sources whose complete checkpoint in the same directory comes first) and
+    ``holds_checkpoint(path) -> bool`` (a complete checkpoint of this kind resolves at
     ``path`` without a tag; what ``YIELDS_TO`` asks)."""
 
     NAME: str  # the engine name plans carry
@@ -99,6 +101,10 @@ def check_source(source, registered: Sequence = (), everyone: Sequence = ()) -> 
         problems.append("MEMORY_NAMES must be True or False")
     if not isinstance(getattr(source, "TIED_UNDER_BOTH_NAMES", False), bool):
         problems.append("TIED_UNDER_BOTH_NAMES, when given, must be True or False")
+    allowed = getattr(source, "ALLOWED", {})
+    if not isinstance(allowed, dict) or not all(isinstance(m, str) and isinstance(g, dict) and
+                                                all(isinstance(n, str) for n in g) for m, g in allowed.items()):
+        problems.append("ALLOWED, when given, must map module names to {global name: stand-in}")
     options = getattr(source, "OPTIONS", None)
     if not isinstance(options, tuple) or not all(isinstance(o, SourceOption) for o in options):
         problems.append("OPTIONS must be a tuple of SourceOption (() for none)")

@@ -24,10 +24,10 @@ from typing import Any, Dict, Mapping, Optional
 
 from ..errors import CheckpointError
 from ..formats.names import CONFIG_NAME
-from ..plan import ExportPlan, check_plan, decide_dtypes
+from ..plan import ExportPlan
 from . import dcp, deepspeed, fsdp_rank_files, hf_dir, hub_layout, peft, universal
 from .fp32_modules import keep_for_plan
-from .passes import drop_tied_aliases, find_config_dir, tie_embeddings
+from .passes import drop_tied_aliases, find_config_dir, finish_plan, tie_embeddings
 from .protocol import PlanContext, SourceOption, check_source, parse_options
 
 __all__ = ["SOURCES", "register", "find_source", "engine_checkpoint", "declared_options", "check_options",
@@ -100,11 +100,12 @@ def check_options(options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
 
 def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None,
               config: Optional[str] = None, options: Optional[Mapping[str, Any]] = None,
-              layout_cache: bool = True) -> ExportPlan:
+              layout_cache: bool = True, keep_fp32_lists: bool = False) -> ExportPlan:
     """``source``'s plan of ``path`` with the shared passes applied (see the module doc).
     ``options``: parsed source options (:func:`check_options`); those ``source`` does not declare
     are left out, with a note. ``layout_cache``: whether the Hub-layout pass may answer from its
-    cache."""
+    cache. ``keep_fp32_lists``: record the model class's fp32-kept modules whatever the dtype
+    (``inspect`` shows them), from the same config read."""
     options = dict(options or {})
     mine = {o.name: o for o in source.OPTIONS}
     ignored = sorted(set(options) - set(mine))
@@ -132,7 +133,6 @@ def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[s
         drop_tied_aliases(plan, ctx)
         hub_layout.convert_plan(plan, ctx.config, use_cache=layout_cache)
     # The fp32-kept lists come from the same config read (the plan's config directory is the context's).
-    decide_dtypes(plan, dtype, keep_for_plan(plan, dtype, (lambda: ctx.config) if plan.config_dir == config_dir
-                                             else None))
-    check_plan(plan)
-    return plan
+    keep = keep_for_plan(plan, dtype, (lambda: ctx.config) if plan.config_dir == config_dir else None,
+                         always=keep_fp32_lists)
+    return finish_plan(plan, dtype, keep)

@@ -95,15 +95,16 @@ def rule_from_hf_plan(name: str, plans: Dict[str, str], embeddings: Sequence[str
     return None
 
 
-def hf_plans_for(config_dir: str):
+def hf_plans_for(config_dir: str, cfg: Optional[dict] = None):
     """The HF tp plans (prefixed to full module paths), full parameter shapes and embedding module
     paths of the model ``config_dir`` describes, built on the meta device. None without transformers,
     or for a ``model_type`` transformers does not know: code named by ``auto_map`` is never imported
     (the other rules, or ``--tp-rule``, decide then). CheckpointError for a config.json that is not
-    a JSON object or that transformers cannot build a model from."""
+    a JSON object or that transformers cannot build a model from. ``cfg``: that config.json, already
+    read (an export's :class:`~.protocol.PlanContext` reads it once)."""
     from .hub_layout import meta_model
 
-    model = meta_model(config_dir)
+    model = meta_model(config_dir, cfg=cfg)
     if model is None:
         return None
     import torch

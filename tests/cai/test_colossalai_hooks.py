@@ -32,7 +32,8 @@ TIMEOUT_S = 600
 _CODE = [SCRIPT, REPO / "tests/support/colossalai_cpu_shim.py"] + [
     REPO / "hf_ckpt_integrations" / p for p in
     ("sources/colossalai.py", "sources/live.py", "integrations/colossalai.py", "integrations/_dist.py",
-     "writer.py", "assemble.py", "plan.py", "orchestrator.py", "commit.py")]
+     "sources/passes.py", "writer.py", "assemble.py", "plan.py", "_tiling.py", "orchestrator.py", "commit.py",
+     "_staging.py", "_merge_commit.py")]
 
 
 def _case_module():

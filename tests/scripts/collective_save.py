@@ -2,7 +2,7 @@
 
 Every tensor is read by a collective, as a live ZeRO-3 parameter is: each of its chunks is
 broadcast from the rank that owns it, so every rank must walk every tensor in the same order
-(the writing rank calls ``chunks()``, the others ``drain()``). ``--fsize-limit-on-rank R:BYTES``
+(the writing rank writes what the read yields, the others drain it). ``--fsize-limit-on-rank R:BYTES``
 sets ``RLIMIT_FSIZE`` on rank R, so its write fails with a real ``EFBIG`` from the kernel in
 the middle of a shard (and of a tensor). Each rank records what it saw in ``OUT/rankN.json``.
 
@@ -28,19 +28,17 @@ def expected(k):
 
 
 def collective_tensors(world):
+    """The plan: every tensor produced on request (a ``LivePiece``) by broadcasts from its owner."""
     import torch
     import torch.distributed as dist
 
-    from hf_ckpt_integrations.orchestrator import OutTensor
-
-    class Live(OutTensor):
-        pass
+    from hf_ckpt_integrations.plan import ExportPlan, LivePiece, TensorPlan
 
     out = []
     for k in range(TENSORS):
         owner = k % world
 
-        def read(k=k, owner=owner):
+        def read(lo, hi, writer, dtype, k=k, owner=owner):
             flat = torch.from_numpy(expected(k).reshape(-1).copy())
             step = flat.numel() // PIECES
             for j in range(PIECES):
@@ -48,14 +46,9 @@ def collective_tensors(world):
                 dist.broadcast(buf, src=owner)
                 yield memoryview(buf.numpy()).cast("B")
 
-        def drain(read=read):
-            for _ in read():
-                pass
-
-        t = Live(f"layers.{k}.weight", "F32", (ROWS, COLS), read)
-        t.drain = drain
-        out.append(t)
-    return out
+        out.append(TensorPlan(f"layers.{k}.weight", (ROWS, COLS), "F32", [[LivePiece(read, 0, ROWS * COLS, "F32")]],
+                              kind="live", out_dtype="F32"))
+    return ExportPlan("test", "collective", None, out)
 
 
 def main():

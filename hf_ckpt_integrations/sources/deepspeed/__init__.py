@@ -80,7 +80,7 @@ def plan(ctx: PlanContext) -> ExportPlan:
     if len(per_mp) == 1:
         out = per_mp[0][0]
     else:
-        out = merge_model_parallel(tag_dir, per_mp, config_dir, user_rules)
+        out = merge_model_parallel(tag_dir, per_mp, config_dir, user_rules, ctx.config if config_dir else None)
     out.source = src
     out.tag = tag
     out.detail["mp_size"] = len(mp_ranks)

@@ -2,6 +2,8 @@
 one used and the others checked) or tensor parallelism (slices concatenated by the rules of
 :mod:`..tp_rules`)."""
 
+from typing import Optional
+
 from ...errors import LayoutError
 from ...plan import ExportPlan, TensorPlan
 from ..tp_rules import Rule, concat_shape, hf_plans_for, rule_from_hf_plan, rule_from_universal_info, rule_from_user
@@ -9,9 +11,10 @@ from ..tp_rules import Rule, concat_shape, hf_plans_for, rule_from_hf_plan, rule
 __all__ = ["merge_model_parallel", "all_identical", "resolve_rule"]
 
 
-def merge_model_parallel(tag_dir, per_mp, config_dir, user_rules) -> ExportPlan:
+def merge_model_parallel(tag_dir, per_mp, config_dir, user_rules, config: Optional[dict] = None) -> ExportPlan:
     """Merge the plans of several model-parallel ranks: a replica axis (every rank a full
-    copy, one used and the others checked) or tensor parallelism (slices merged by rules)."""
+    copy, one used and the others checked) or tensor parallelism (slices merged by rules).
+    ``config``: ``config_dir``'s config.json as already read (the export's one read), else read here."""
     plans = [p for p, _ in per_mp]
     info = per_mp[0][1]
     names = [t.name for t in plans[0].tensors]
@@ -21,7 +24,7 @@ def merge_model_parallel(tag_dir, per_mp, config_dir, user_rules) -> ExportPlan:
                               f"({sorted(set(t.name for t in p.tensors) ^ set(names))[:3]}...); files from "
                               "different saves are mixed: copy one save's tag directory again")
     slices = {n: [p.tensors[i] for p in plans] for i, n in enumerate(names)}
-    hf = hf_plans_for(config_dir) if config_dir else None
+    hf = hf_plans_for(config_dir, config) if config_dir else None
     hf_plans, full, embeddings = hf if hf else ({}, {}, [])
     mp = len(plans)
 
