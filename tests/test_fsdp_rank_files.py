@@ -1,4 +1,4 @@
-"""Per-rank ``torch.save`` FSDP state dicts (hf_ckpt_integrations/sources/fsdp_rank_files.py).
+"""Per-rank ``torch.save`` FSDP state dicts (hf_ckpt_integrations/sources/fsdp_rank_files/).
 
 Engine cases (tests/engines/fsdp_rank_files.py, real torchrun processes on CPU/gloo): FSDP2 saved
 as verl's ``FSDPCheckpointManager`` saves it (vocabulary 1001 on ``Shard(1)`` by verl's placement

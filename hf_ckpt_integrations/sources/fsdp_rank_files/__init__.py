@@ -36,19 +36,15 @@ import json
 import math
 import os
 import re
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from .. import guards
-from ..errors import CheckpointError, LayoutError, UnsafeCheckpointError, one_line, short_repr
-from ..formats import torch_files
-from ..formats.dtypes import MAX_NDIM
-from ..formats.unpickler import StandIn
-from ..plan import Chunk, ExportPlan, Piece, TensorPlan, check_tiling
-from . import dcp
-
-# torch's layout and memory-format names, rebuilt as the DCP source's metadata rebuilds them
-_layout = dcp.ALLOWED["torch.serialization"]["_get_layout"]
-_mem_format = dcp.ALLOWED["torch.distributed._shard.sharded_tensor.metadata"]["MEM_FORMAT_ENCODING"]
+from ... import guards
+from ...errors import CheckpointError, LayoutError, one_line, short_repr
+from ...formats import torch_files
+from ...formats.dtypes import MAX_NDIM
+from ...plan import Chunk, ExportPlan, TensorPlan, check_tiling
+from .placement import box_pieces, index_runs, local_indices
+from .stand_ins import ALLOWED, TYPES, DTensorRef, ShardedRef  # ALLOWED: this source's allowlist
 
 __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "OPTIONS", "ALLOWED", "detect",
            "config_candidates", "plan", "find_rank_files", "local_indices", "DTensorRef"]
@@ -68,151 +64,6 @@ _MODEL_DIRS = ("actor", "policy")  # verl's actor (the policy; critic/ beside it
 _LATEST = "latest_checkpointed_iteration.txt"
 _FSDP_CONFIG = "fsdp_config.json"
 _HF_DIR = "huggingface"
-
-
-# ---- the pickled classes, as inert stand-ins -------------------------------------------------
-
-class _Obj(StandIn):
-    """An allowlisted torch.distributed object: NEWOBJ arguments kept as ``args`` (``TensorMeta`` and
-    ``ShardOrderEntry`` are named tuples built from them), BUILD state as ``state``. Nothing runs."""
-
-    kind = "Obj"
-
-    def __new__(cls, *args):
-        obj = object.__new__(cls)
-        obj.args, obj.state = args, None
-        return obj
-
-    def __setstate__(self, state):
-        self.state = state
-
-    def field(self, name, default=None):
-        """Field ``name`` of the state: a dict, or a ``(dict, slots dict)`` pair as torch pickles slots."""
-        for part in (self.state if type(self.state) is tuple else (self.state,)):
-            if type(part) is dict and name in part:
-                return part[name]
-        return default
-
-    def __repr__(self):
-        return f"{self.kind}({short_repr(self.args)}, {short_repr(self.state)})"
-
-
-def _obj_type(name):
-    return type(name, (_Obj,), {"kind": name})
-
-
-_TYPES = {n: _obj_type(n) for n in ("DeviceMesh", "_MeshLayout", "_FlatLayout", "DTensorSpec", "TensorMeta",
-                                    "ShardOrderEntry", "Shard", "_StridedShard", "Replicate", "Partial",
-                                    # FSDP1 SHARDED_STATE_DICT without a device mesh: ShardedTensor's parts
-                                    "LocalShard", "ShardMetadata", "ShardedTensorMetadata", "TensorProperties",
-                                    "_remote_device", "ChunkShardingSpec", "ProcessGroupState")}
-
-
-class _Marker:
-    """A pickled class that is only ever an argument (``DTensor`` in its rebuild call): not callable."""
-
-    def __init__(self, name):
-        self.name = name
-
-    def __repr__(self):
-        return self.name
-
-
-_DTENSOR = _Marker("DTensor")
-_SHARDED = _Marker("ShardedTensor")
-
-
-def _getattr(obj, name):
-    # ShardedTensor pickles its process-group record as getattr(ShardedTensor, "ProcessGroupState"):
-    # that one attribute of that one marker, nothing else.
-    if obj is _SHARDED and name == "ProcessGroupState":
-        return _TYPES["ProcessGroupState"]
-    raise UnsafeCheckpointError(f"refused for safety: its pickle asks for getattr({short_repr(obj)}, "
-                                f"{short_repr(name)}); the file was not executed")
-
-
-class _WrapperArgs(StandIn):
-    """What ``torch._utils._rebuild_wrapper_subclass(cls, dtype, size, stride, ...)`` was given: kept, not run."""
-
-    def __init__(self, args):
-        self.args = args
-
-
-def _rebuild_wrapper_subclass(*args):
-    return _WrapperArgs(args)
-
-
-class DTensorRef(StandIn):
-    """A DTensor of a rank file: global ``shape`` and ``dtype``, ``local`` (the rank's shard, a
-    :class:`~..formats.torch_files.TensorRef`) and ``spec`` (the pickled ``DTensorSpec`` stand-in)."""
-
-    def __init__(self, shape, dtype, local, spec):
-        self.shape, self.dtype, self.local, self.spec = shape, dtype, local, spec
-
-
-class ShardedRef(StandIn):
-    """A ShardedTensor of a rank file: global ``shape`` and ``dtype`` and ``shards``, the rank's local
-    shards (``LocalShard`` stand-ins: a tensor and its ``ShardMetadata`` offsets and sizes)."""
-
-    def __init__(self, shape, dtype, shards):
-        self.shape, self.dtype, self.shards = shape, dtype, shards
-
-
-def _rebuild_from_type_v2(func, new_type, args, state):
-    # torch pickles a tensor subclass as (rebuild function, class, args, state): a DTensor through
-    # _rebuild_wrapper_subclass with its local shard and spec in the (dict, slots) state; every
-    # other tensor as torch_files reads it.
-    if func is not _rebuild_wrapper_subclass:
-        return torch_files.TORCH_ALLOWED["torch._tensor"]["_rebuild_from_type_v2"](func, new_type, args, state)
-    if new_type not in (_DTENSOR, _SHARDED) or type(args) is not tuple or len(args) < 3:
-        raise CheckpointError(f"a tensor subclass {short_repr(new_type)} rebuilt from {short_repr(args)}; "
-                              "only DTensor and ShardedTensor are read")
-    if new_type is _SHARDED:  # state: (local shards, ShardedTensorMetadata, pg state, sharding spec, rrefs)
-        shards = state[0] if type(state) is tuple and state else None
-        return ShardedRef(args[2], args[1], shards)
-    holder = _TYPES["DTensorSpec"]()  # reads the (dict, slots) state the same way as a spec's
-    holder.state = state
-    return DTensorRef(args[2], args[1], holder.field("_local_tensor"), holder.field("_spec"))
-
-
-def _named(module_names, cls_names, value):
-    return {m: {n: value(n) for n in cls_names} for m in module_names}
-
-
-def _merge(*tables):
-    out: Dict[str, dict] = {}
-    for table in tables:
-        for module, names in table.items():
-            out.setdefault(module, {}).update(names)
-    return out
-
-
-# module -> name -> stand-in. torch has moved these classes between releases (2.4's
-# torch.distributed._tensor.* became torch.distributed.tensor.* in 2.5); every spelling is listed.
-_TENSOR_PKGS = ("torch.distributed.tensor", "torch.distributed._tensor")
-ALLOWED = _merge(
-    torch_files.TORCH_ALLOWED,
-    {"torch._tensor": {"_rebuild_from_type_v2": _rebuild_from_type_v2},
-     "torch._utils": {"_rebuild_wrapper_subclass": _rebuild_wrapper_subclass},
-     "torch.serialization": {"_get_layout": _layout}},
-    _named([*_TENSOR_PKGS, *(f"{p}.api" for p in _TENSOR_PKGS), *(f"{p}._api" for p in _TENSOR_PKGS)],
-           ["DTensor"], lambda n: _DTENSOR),
-    _named([f"{p}.placement_types" for p in _TENSOR_PKGS], ["Shard", "_StridedShard", "Replicate", "Partial"],
-           _TYPES.get),
-    _named([f"{p}._dtensor_spec" for p in _TENSOR_PKGS] + [f"{p}.placement_types" for p in _TENSOR_PKGS],
-           ["DTensorSpec", "TensorMeta", "ShardOrderEntry"], _TYPES.get),
-    _named(["torch.distributed.device_mesh", "torch.distributed._tensor.device_mesh"], ["DeviceMesh"], _TYPES.get),
-    _named(["torch.distributed._mesh_layout"], ["_MeshLayout", "_FlatLayout"], _TYPES.get),
-    {"torch.distributed._shard.sharded_tensor.api": {"ShardedTensor": _SHARDED},
-     "torch.distributed._shard.sharded_tensor.shard": {"Shard": _TYPES["LocalShard"]},
-     "torch.distributed._shard.metadata": {"ShardMetadata": _TYPES["ShardMetadata"]},
-     "torch.distributed._shard.sharded_tensor.metadata": {
-         "ShardedTensorMetadata": _TYPES["ShardedTensorMetadata"], "TensorProperties": _TYPES["TensorProperties"],
-         "MEM_FORMAT_ENCODING": _mem_format},
-     "torch.distributed._shard.sharding_spec.chunk_sharding_spec": {"ChunkShardingSpec": _TYPES["ChunkShardingSpec"]},
-     "torch.distributed.remote_device": {"_remote_device": _TYPES["_remote_device"]},
-     "builtins": {"getattr": _getattr}},
-)
 
 
 # ---- where the files are ---------------------------------------------------------------------
@@ -304,71 +155,6 @@ def find_rank_files(model_dir: str) -> Tuple[str, int, List[str]]:
     return layout, world, [os.path.join(model_dir, by_rank[r]) for r in range(world)]
 
 
-# ---- placement arithmetic (plain numbers) ----------------------------------------------------
-
-def _chunk_range(size: int, n: int, i: int) -> Tuple[int, int]:
-    """``[start, end)`` of chunk ``i`` of ``torch.chunk(range(size), n)`` (empty past the end)."""
-    full = -(-size // n) if n else 0
-    start = min(size, full * i)
-    return start, min(size, start + full)
-
-
-def local_indices(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
-                  placements: Sequence[Tuple[str, int, int]]) -> List[List[int]]:
-    """For each tensor dim, the global indices the shard at mesh coordinate ``coord`` holds, in order,
-    as torch's ``_compute_local_shape_and_global_offset`` places them: mesh dims left to right,
-    ``("shard", dim, 0)`` a ``torch.chunk`` of what is left along ``dim``, ``("strided", dim,
-    split_factor)`` a chunk of each of ``split_factor`` chunks, ``("replicate", -1, 0)`` nothing."""
-    idx = [list(range(s)) for s in shape]
-    for mesh_dim, (kind, dim, factor) in enumerate(placements):
-        if kind == "replicate":
-            continue
-        cur, n, r = idx[dim], mesh_shape[mesh_dim], coord[mesh_dim]
-        if kind == "shard":
-            a, b = _chunk_range(len(cur), n, r)
-            idx[dim] = cur[a:b]
-        else:
-            keep = []
-            for j in range(factor):
-                a, b = _chunk_range(len(cur), factor, j)
-                piece = cur[a:b]
-                c, d = _chunk_range(len(piece), n, r)
-                keep.extend(piece[c:d])
-            idx[dim] = keep
-    return idx
-
-
-def _runs(indices: List[int]) -> List[Tuple[int, int, int]]:
-    """Maximal runs of consecutive global indices: ``(local start, global start, length)``."""
-    out = []
-    for k, g in enumerate(indices):
-        if out and out[-1][1] + out[-1][2] == g:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((k, g, 1))
-    return out
-
-
-def _box_pieces(ref, lo: Sequence[int], hi: Sequence[int]) -> List[Piece]:
-    """The elements of box ``[lo, hi)`` of the (contiguous) local tensor ``ref``, row-major, as pieces:
-    one per row of the dims the box cuts, the dims it covers whole merged into each."""
-    shape = ref.shape
-    k = len(shape)
-    while k > 0 and lo[k - 1] == 0 and hi[k - 1] == shape[k - 1]:
-        k -= 1
-    if k == 0:
-        return [Piece(ref.path, ref.byte_range()[0], ref.numel, ref.dtype)] if ref.numel else []
-    inner = math.prod(shape[k:])
-    run = (hi[k - 1] - lo[k - 1]) * inner
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-    pieces = []
-    for outer in itertools.product(*(range(lo[d], hi[d]) for d in range(k - 1))):
-        start = sum(i * strides[d] for d, i in enumerate(outer)) + lo[k - 1] * inner
-        if run:
-            pieces.append(Piece(ref.path, ref.byte_range(start, run)[0], run, ref.dtype))
-    return pieces
-
-
 # ---- reading one rank's DTensors ---------------------------------------------------------------
 
 class _Shard:
@@ -389,13 +175,13 @@ def _mesh(mesh, where, rank) -> Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[st
     """``(shape, this rank's coordinate, dim names)`` of a pickled DeviceMesh (torch 2.4 -> 2.13 keep
     the coordinate as ``_coordinate_on_dim``; the shape is the ``mesh`` tensor's, or since 2.9 the
     ``_layout``'s axes')."""
-    if not isinstance(mesh, _TYPES["DeviceMesh"]):
+    if not isinstance(mesh, TYPES["DeviceMesh"]):
         raise LayoutError(f"{where}: a DTensor's mesh is {short_repr(mesh)}, not a DeviceMesh; the file is corrupt or "
                           "written by a torch release hf-ckpt does not know: please report it")
     layout = mesh.field("_layout")
-    if isinstance(layout, _TYPES["_MeshLayout"]):
+    if isinstance(layout, TYPES["_MeshLayout"]):
         axes = layout.field("axes")
-        if type(axes) is not tuple or not all(isinstance(a, _TYPES["_FlatLayout"]) for a in axes):
+        if type(axes) is not tuple or not all(isinstance(a, TYPES["_FlatLayout"]) for a in axes):
             raise LayoutError(f"{where}: the device mesh layout {short_repr(axes)} is malformed; the file is corrupt")
         shape = tuple(math.prod(_ints(a.field("shape"), "mesh axis", where)) for a in axes)
     elif isinstance(mesh.field("mesh"), torch_files.TensorRef):
@@ -438,7 +224,7 @@ def _dtensor_shard(name, t: DTensorRef, where, rank) -> Tuple[_Shard, dict]:
     shape = _ints(tuple(t.shape) if type(t.shape) in (tuple, list) else t.shape, f"{name} size", where)
     local = t.local
     spec = t.spec
-    if not isinstance(local, torch_files.TensorRef) or not isinstance(spec, _TYPES["DTensorSpec"]):
+    if not isinstance(local, torch_files.TensorRef) or not isinstance(spec, TYPES["DTensorSpec"]):
         raise LayoutError(f"{where}: DTensor {name} has no local tensor or spec; the file is corrupt or crafted")
     if str(t.dtype) != local.dtype:
         raise LayoutError(f"{where}: DTensor {name} is {short_repr(str(t.dtype))} but its local shard {local.dtype}; the "
@@ -455,10 +241,10 @@ def _dtensor_shard(name, t: DTensorRef, where, rank) -> Tuple[_Shard, dict]:
                           f"{', '.join(map(_describe, placed))} on mesh {list(mesh_shape)} at {list(coord)} give "
                           f"{[len(i) for i in idx]}; the file is corrupt or from another save")
     chunks = []
-    for combo in itertools.product(*(_runs(i) for i in idx)):
+    for combo in itertools.product(*(index_runs(i) for i in idx)):
         lo = tuple(c[0] for c in combo)
         hi = tuple(c[0] + c[2] for c in combo)
-        chunks.append(Chunk(tuple(_box_pieces(local, lo, hi)), tuple(c[1] for c in combo),
+        chunks.append(Chunk(tuple(box_pieces(local, lo, hi)), tuple(c[1] for c in combo),
                             tuple(c[2] for c in combo)))
     facts = {"mesh": list(mesh_shape), "dim_names": list(dim_names),
              "placements": [_describe(p) for p in placed]}
@@ -473,24 +259,24 @@ def _sharded_shard(name, t: ShardedRef, where, rank) -> _Shard:
     chunks = []
     for s in t.shards:
         ref, md = getattr(s, "field", lambda n: None)("tensor"), getattr(s, "field", lambda n: None)("metadata")
-        if not isinstance(ref, torch_files.TensorRef) or not isinstance(md, _TYPES["ShardMetadata"]):
+        if not isinstance(ref, torch_files.TensorRef) or not isinstance(md, TYPES["ShardMetadata"]):
             raise LayoutError(f"{where}: a local shard of {name} is {short_repr(s)}; the file is corrupt or crafted")
         off = _ints(md.field("shard_offsets"), "shard offsets", where)
         sizes = _ints(md.field("shard_sizes"), "shard sizes", where)
         dev = md.field("placement")
-        owner = dev.field("_rank") if isinstance(dev, _TYPES["_remote_device"]) else None
+        owner = dev.field("_rank") if isinstance(dev, TYPES["_remote_device"]) else None
         if sizes != ref.shape or len(off) != len(shape) or ref.dtype != str(t.dtype) or \
                 (type(owner) is int and owner != rank):
             raise LayoutError(f"{where}: a local shard of {name} holds {ref.dtype} {list(ref.shape)} for rank "
                               f"{short_repr(owner)}, its metadata says {list(sizes)} at {list(off)} of a {t.dtype} "
                               f"tensor on rank {rank}'s file; files were renamed or mixed: copy the checkpoint again")
-        chunks.append(Chunk(tuple(_box_pieces(ref, (0,) * len(sizes), sizes)), off, sizes))
+        chunks.append(Chunk(tuple(box_pieces(ref, (0,) * len(sizes), sizes)), off, sizes))
     return _Shard(shape, str(t.dtype), chunks, "ShardedTensor")
 
 
 def _plain_shard(ref: torch_files.TensorRef, rank) -> _Shard:
     """A plain tensor (a buffer) every rank holds whole: each rank's is a copy."""
-    pieces = _box_pieces(ref, (0,) * len(ref.shape), ref.shape)
+    pieces = box_pieces(ref, (0,) * len(ref.shape), ref.shape)
     return _Shard(ref.shape, ref.dtype, [Chunk(tuple(pieces), (0,) * len(ref.shape), tuple(ref.shape))],
                   "whole on every rank")
 

@@ -1,0 +1,73 @@
+"""Where a rank's shard of a DTensor lies in the global tensor, as torch computes it (plain
+numbers), and the byte pieces of a box of a contiguous local tensor."""
+
+import itertools
+import math
+from typing import List, Sequence, Tuple
+
+from ...plan import Piece
+
+
+# ---- placement arithmetic (plain numbers) ----------------------------------------------------
+
+def _chunk_range(size: int, n: int, i: int) -> Tuple[int, int]:
+    """``[start, end)`` of chunk ``i`` of ``torch.chunk(range(size), n)`` (empty past the end)."""
+    full = -(-size // n) if n else 0
+    start = min(size, full * i)
+    return start, min(size, start + full)
+
+
+def local_indices(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
+                  placements: Sequence[Tuple[str, int, int]]) -> List[List[int]]:
+    """For each tensor dim, the global indices the shard at mesh coordinate ``coord`` holds, in order,
+    as torch's ``_compute_local_shape_and_global_offset`` places them: mesh dims left to right,
+    ``("shard", dim, 0)`` a ``torch.chunk`` of what is left along ``dim``, ``("strided", dim,
+    split_factor)`` a chunk of each of ``split_factor`` chunks, ``("replicate", -1, 0)`` nothing."""
+    idx = [list(range(s)) for s in shape]
+    for mesh_dim, (kind, dim, factor) in enumerate(placements):
+        if kind == "replicate":
+            continue
+        cur, n, r = idx[dim], mesh_shape[mesh_dim], coord[mesh_dim]
+        if kind == "shard":
+            a, b = _chunk_range(len(cur), n, r)
+            idx[dim] = cur[a:b]
+        else:
+            keep = []
+            for j in range(factor):
+                a, b = _chunk_range(len(cur), factor, j)
+                piece = cur[a:b]
+                c, d = _chunk_range(len(piece), n, r)
+                keep.extend(piece[c:d])
+            idx[dim] = keep
+    return idx
+
+
+def index_runs(indices: List[int]) -> List[Tuple[int, int, int]]:
+    """Maximal runs of consecutive global indices: ``(local start, global start, length)``."""
+    out = []
+    for k, g in enumerate(indices):
+        if out and out[-1][1] + out[-1][2] == g:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((k, g, 1))
+    return out
+
+
+def box_pieces(ref, lo: Sequence[int], hi: Sequence[int]) -> List[Piece]:
+    """The elements of box ``[lo, hi)`` of the (contiguous) local tensor ``ref``, row-major, as pieces:
+    one per row of the dims the box cuts, the dims it covers whole merged into each."""
+    shape = ref.shape
+    k = len(shape)
+    while k > 0 and lo[k - 1] == 0 and hi[k - 1] == shape[k - 1]:
+        k -= 1
+    if k == 0:
+        return [Piece(ref.path, ref.byte_range()[0], ref.numel, ref.dtype)] if ref.numel else []
+    inner = math.prod(shape[k:])
+    run = (hi[k - 1] - lo[k - 1]) * inner
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    pieces = []
+    for outer in itertools.product(*(range(lo[d], hi[d]) for d in range(k - 1))):
+        start = sum(i * strides[d] for d, i in enumerate(outer)) + lo[k - 1] * inner
+        if run:
+            pieces.append(Piece(ref.path, ref.byte_range(start, run)[0], run, ref.dtype))
+    return pieces
