@@ -26,6 +26,7 @@ from ..errors import CheckpointError
 from ..formats.names import CONFIG_NAME
 from ..plan import ExportPlan, check_plan, decide_dtypes
 from . import dcp, deepspeed, hf_dir, hub_layout, peft, universal
+from .deepspeed import pipeline as deepspeed_pipeline
 from .fp32_modules import keep_for_plan
 from .passes import drop_tied_aliases, find_config_dir, tie_embeddings
 from .protocol import PlanContext, SourceOption, check_source, parse_options
@@ -49,6 +50,7 @@ SOURCES = register(
     universal,  # ds_to_universal output (the directory itself, or the tag naming one)
     dcp,  # torch DCP (FSDP, Accelerate save_state, Trainer checkpoint-N under FSDP): before HF weights beside it
     hf_dir,  # an HF directory, unless a DeepSpeed checkpoint also resolves there (its YIELDS_TO)
+    deepspeed_pipeline,  # a DeepSpeed PipelineModule save (layer_XX files in the tag): before the ZeRO reader
     deepspeed,  # a DeepSpeed save dir, tag dir or Trainer checkpoint-N
 )
 
