@@ -67,7 +67,7 @@ def test_hf_logits_are_the_pipelines(engine_ckpt, tmp_path, case):
     with torch.no_grad():
         got = model(input_ids=ids).logits.float()
     # TP adds partial products in another order than one matmul: fp32 agrees to rounding; bf16 to its precision.
-    tol = 2e-5 if dtype == "fp32" else 6e-2
+    tol = 2e-5 if dtype == "fp32" else 2e-2  # measured: 3e-7 and 5e-3 of the largest logit; wrong biases: 7e-2
     assert (got - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
 
 

@@ -34,6 +34,7 @@ def test_gpt_neox_map_follows_the_reference_layer_numbering():
 
     assert hf(0, "word_embeddings.weight") == ("gpt_neox.embed_in.weight", "0")
     assert hf(4, "attention.query_key_value.weight") == ("gpt_neox.layers.2.attention.query_key_value.weight", "0")
+    assert hf(2, "attention.dense.weight") == ("gpt_neox.layers.0.attention.dense.weight", "1")
     assert hf(3, "mlp.dense_4h_to_h.weight") == ("gpt_neox.layers.1.mlp.dense_4h_to_h.weight", "1")
     assert hf(2, "mlp.linear2.weight") == ("gpt_neox.layers.0.mlp.dense_4h_to_h.weight", "1")
     assert hf(2, "attention.dense.bias") == ("gpt_neox.layers.0.attention.dense.bias", nm.ROW_BIAS)
