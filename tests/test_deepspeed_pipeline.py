@@ -6,6 +6,7 @@ one checked copy with the sequential one."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,3 +149,25 @@ def test_a_swapped_tp_layer_file_is_refused(engine_ckpt, tmp_path):
     dst = tmp_path / "hf"
     assert_refused(hf_ckpt("export", src, dst, "--config", run / "config"), match="does not match the model's own weights",
                    dst=dst)
+
+
+def test_a_user_name_map_renames_and_a_name_it_misses_is_refused(engine_ckpt, tmp_path):
+    """--source-option name_map=FILE (a fork's names): its names are written; a parameter no entry
+    matches is refused, named."""
+    from hf_ckpt_integrations.sources.deepspeed import name_map
+
+    run = engine_ckpt("pipe-dp2-fp32-seq")
+    builtin = json.loads((Path(name_map.__file__).parent / "name_maps" / "gpt_neox.json").read_text())
+    builtin["tensors"] = [dict(e, hf="lm_head_of_my_fork.weight") if e["layer"] == "final_linear.weight" else e
+                          for e in builtin["tensors"]]
+    mine = tmp_path / "map.json"
+    mine.write_text(json.dumps(builtin))
+    dst = tmp_path / "hf"
+    r = hf_ckpt("export", run / "ckpt", dst, "--source-option", f"name_map={mine}")
+    assert r.returncode == 0, r.stderr
+    got = _exported(dst)
+    assert torch.equal(got["lm_head_of_my_fork.weight"], _reference(run)["embed_out.weight"])
+    builtin["tensors"] = [e for e in builtin["tensors"] if e["layer"] != "norm.weight"]
+    mine.write_text(json.dumps(builtin))
+    export_refused(run / "ckpt", tmp_path / "hf2", "--source-option", f"name_map={mine}",
+                   match="parameter 5.norm.weight matches no entry")

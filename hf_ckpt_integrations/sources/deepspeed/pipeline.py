@@ -261,8 +261,8 @@ def plan(ctx: PlanContext) -> ExportPlan:
             if not counts or any(meta_int(c, r.path, "partition_count") != dp for c in counts):
                 raise LayoutError(f"{r.path}: records partition_count={short_repr(pc)}, but {dp} data-parallel "
                                   "files are present; files from different saves are mixed")
-            stage_rec = r.osd.get("zero_stage")
-            zero.add(meta_int(stage_rec, r.path, "zero_stage") if stage_rec is not None else 0)
+            stage_rec = r.osd.get("zero_stage")  # BF16_Optimizer records none: ZeRO-1 (param_shapes are recorded)
+            zero.add(meta_int(stage_rec, r.path, "zero_stage") if stage_rec is not None else 1)
         dp_sizes.add(dp)
         tensors: "OrderedDict[str, TensorPlan]" = OrderedDict()
         plan_zero12(ranks, groups, path, tensors, module)
@@ -298,7 +298,7 @@ def plan(ctx: PlanContext) -> ExportPlan:
         layer_names.setdefault(layer, []).append(inner)
     blocks = name_map.blocks(layer_names) if name_map else {}
     parallel_residual = None
-    out, rules_used, dropped = [], {}, []
+    out, dropped = [], []
     seen = {}
     for n in names:
         layer, inner = split_native(n)
@@ -327,7 +327,6 @@ def plan(ctx: PlanContext) -> ExportPlan:
         if tp_value == ROW_BIAS and parallel_residual is None:
             parallel_residual = _parallel_residual(ctx)
         merged = _merge(hf, n, slices, tp_value, parallel_residual, info, user_rules, name_map)
-        rules_used[hf] = merged.rule
         out.append(merged)
 
     files = sorted({p.path for t in out for part in t.parts + t.replicas for p in part} | set(models.values()) |
@@ -339,13 +338,11 @@ def plan(ctx: PlanContext) -> ExportPlan:
     stages = sorted(set(stage_of.values()))
     detail = {"zero_stage": max(zero) if zero else 0, "pp_size": pp, "tp_size": tp,
               "dp_size": dp_sizes.pop() if dp_sizes else None, "mp_size": pp * tp,
-              "mp_axis": "pipeline x tp" if tp > 1 else "pipeline",
-              "mp_axis_reason": "mp_rank = stage x tp + tp rank (DeepSpeed PipelineModule; recorded in "
-                                "checkpoint_parallel_dimensions)",
+              "mp_axis": f"pipeline {pp} stages x tp {tp}",
+              "mp_axis_reason": "mp_rank = stage x tp + tp rank (DeepSpeed PipelineModule); " + _stage_map_text(stage_of),
               "layer_stage": {str(k): v for k, v in sorted(stage_of.items())} if stage_of else None,
               "layers_with_files": sorted(layers),
-              "name_map": name_map.source if name_map else None,
-              "tp_rules": rules_used}
+              "name_map": name_map.source if name_map else None}
     if not stages and pp > 1:
         detail["layer_stage"] = None
     plan_ = ExportPlan(engine="deepspeed", source=src, tag=tag, tensors=out, dtypes=dtypes, files=files,
@@ -360,6 +357,16 @@ def plan(ctx: PlanContext) -> ExportPlan:
     if not optim:
         plan_.notes.append("no optimizer partitions (no ZeRO): the layer files' weights are exported")
     return plan_
+
+
+def _stage_map_text(stage_of: Dict[int, int]) -> str:
+    """``"layers 0, 2 on stage 0; 3, 5, 6 on stage 1"`` (what ``inspect`` prints)."""
+    if not stage_of:
+        return "layer -> stage map not recorded (no ZeRO param_shapes)"
+    by_stage: Dict[int, List[int]] = {}
+    for layer, stage in sorted(stage_of.items()):
+        by_stage.setdefault(stage, []).append(layer)
+    return "layers " + "; ".join(f"{', '.join(map(str, ls))} on stage {s}" for s, ls in sorted(by_stage.items()))
 
 
 def _choose_map(ctx):
