@@ -17,7 +17,7 @@ pytestmark = pytest.mark.engine
 
 # case -> (tp, dtype, residual); each is a 4-rank run of tests/engines/ds_pipe_train.py (conftest CASES)
 PIPE_CASES = {"pipe-tp2-fp32-par": (2, "fp32", "parallel"), "pipe-tp2-bf16-seq": (2, "bf16", "sequential"),
-              "pipe-dp2-fp32-seq": (1, "fp32", "sequential")}
+              "pipe-dp2-fp32-seq": (1, "fp32", "sequential"), "pipe-tp2-fp32-z0-par": (2, "fp32", "parallel")}
 
 
 def _reference(run, kind="master"):

@@ -1,5 +1,5 @@
 """A real DeepSpeed ``PipelineModule`` run laid out as GPT-NeoX lays out its model: 2 pipeline stages
-x TP 2 (or x DP 2), ZeRO-1, fp32 or bf16, parallel or sequential residual.
+x TP 2 (or x DP 2), ZeRO-1 (or none, fp32), fp32 or bf16, parallel or sequential residual.
 
 The layers and their parameter names are GPT-NeoX's (``EmbeddingPipe.word_embeddings``, a
 parameterless ``_pre_transformer_block`` function, ``ParallelTransformerLayerPipe``'s
@@ -212,6 +212,7 @@ def main():
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--residual", default="parallel", choices=["parallel", "sequential"])
+    p.add_argument("--zero", type=int, default=1, choices=[0, 1])
     p.add_argument("--steps", type=int, default=2)
     args = p.parse_args()
 
@@ -251,7 +252,7 @@ def main():
         model = model.to(torch.bfloat16)
     ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-                 "zero_optimization": {"stage": 1}, "steps_per_print": 10**9,
+                 "zero_optimization": {"stage": args.zero}, "steps_per_print": 10**9,
                  "bf16": {"enabled": args.dtype == "bf16"}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[q for q in model.parameters()], config=ds_config)
     dp_rank = me.data
@@ -269,7 +270,8 @@ def main():
     for name, param in engine.module.named_parameters():
         idx, inner = name.split(".", 1)
         hf, dim = names[(int(idx), inner)]
-        for store, local in ((masters, safe_get_full_fp32_param(param)), (module, param)):
+        master = safe_get_full_fp32_param(param)  # None without ZeRO in fp32: the weights are the masters
+        for store, local in ((masters, param if master is None else master), (module, param)):
             local = local.detach().float().contiguous()
             if Grid.size > 1 and dim is not None:
                 parts = [torch.empty_like(local) for _ in range(Grid.size)]
@@ -288,7 +290,7 @@ def main():
             save_file({"logits": logits.float().contiguous()}, str(ref / "logits.safetensors"))
         if me.pipe == 0:
             config.save_pretrained(args.out / "config")
-            common.write_json(ref / "run.json", {"tp": args.tp, "dp": dp, "pp": STAGES, "dtype": args.dtype,
+            common.write_json(ref / "run.json", {"tp": args.tp, "dp": dp, "pp": STAGES, "dtype": args.dtype, "zero": args.zero,
                                                  "residual": args.residual})
     common.finish()
 

@@ -206,7 +206,7 @@ def plan(ctx: PlanContext) -> ExportPlan:
         if not isinstance(obj, dict):
             raise CheckpointError(f"{path}: not a DeepSpeed model-states file; pass the directory of an "
                                   "engine.save_checkpoint() call")
-        check_model_types(obj, path)
+        check_model_types({**obj, "param_shapes": obj.get("param_shapes") or []}, path)  # None without ZeRO
         model_objs[mp] = (path, obj)
     pp, tp = _degrees(tag_dir, model_objs, layers)
     states = {(layer, t): _layer_state(path) for layer, by_tp in layers.items() for t, path in by_tp.items()}
