@@ -171,3 +171,16 @@ def test_a_user_name_map_renames_and_a_name_it_misses_is_refused(engine_ckpt, tm
     mine.write_text(json.dumps(builtin))
     export_refused(run / "ckpt", tmp_path / "hf2", "--source-option", f"name_map={mine}",
                    match="parameter 5.norm.weight matches no entry")
+
+
+def test_a_config_that_does_not_fit_the_mapped_names_is_refused(engine_ckpt, tmp_path):
+    """The mapped names and shapes must be what save_pretrained of the config's model writes: a config
+    of another depth is refused, not written as a directory that loads with missing weights."""
+    run = engine_ckpt("pipe-dp2-fp32-seq")
+    cfg = tmp_path / "cfg"
+    shutil.copytree(run / "config", cfg)
+    c = json.loads((cfg / "config.json").read_text())
+    c["num_hidden_layers"] = 3
+    (cfg / "config.json").write_text(json.dumps(c))
+    export_refused(run / "ckpt", tmp_path / "hf", "--config", cfg,
+                   match="gpt_neox.layers.2.attention.dense.bias missing")

@@ -329,6 +329,9 @@ def plan(ctx: PlanContext) -> ExportPlan:
         merged = _merge(hf, n, slices, tp_value, parallel_residual, info, user_rules, name_map)
         out.append(merged)
 
+    if name_map is not None and ctx.config_dir is not None:
+        _check_against_config(out, ctx.config_dir)
+
     files = sorted({p.path for t in out for part in t.parts + t.replicas for p in part} | set(models.values()) |
                    {p for by_tp in layers.values() for p in by_tp.values()})
     dtypes = {"master": "F32"} if optim or all(t.src_dtype == "F32" for t in out) else {}
@@ -357,6 +360,29 @@ def plan(ctx: PlanContext) -> ExportPlan:
     if not optim:
         plan_.notes.append("no optimizer partitions (no ZeRO): the layer files' weights are exported")
     return plan_
+
+
+def _check_against_config(tensors, config_dir) -> None:
+    """The mapped names and shapes are exactly what ``save_pretrained`` of the config's model writes
+    (its meta model's state dict, renamed by transformers' own save-time conversion): a map or a
+    config that does not fit the checkpoint is refused, never written as a directory that loads
+    with missing weights. Nothing is checked when transformers cannot build the model (a note-free
+    skip: ``from_pretrained`` would fail the same way)."""
+    from ..hub_layout import hub_layout, meta_model
+
+    model = meta_model(config_dir)
+    if model is None:
+        return
+    shapes = {n: tuple(p.shape) for n, p in model.state_dict().items()}
+    layout = hub_layout(shapes, model)
+    want = {h.name: tuple(h.shape) for h in layout} if layout else shapes
+    got = {t.name: tuple(t.shape) for t in tensors}
+    bad = [f"{n} missing" for n in want if n not in got] + [f"{n} not in the model" for n in got if n not in want]
+    bad += [f"{n} {list(got[n])} vs the model's {list(want[n])}" for n in got if n in want and got[n] != want[n]]
+    if bad:
+        raise LayoutError(f"{config_dir}/config.json: its {type(model).__name__} does not fit the mapped checkpoint "
+                          f"({len(bad)} differences: {'; '.join(bad[:3])}); pass --config the trained model's "
+                          "config, or fix the name map")
 
 
 def _stage_map_text(stage_of: Dict[int, int]) -> str:
