@@ -69,7 +69,11 @@ def torch_tensor(t: TensorPlan, files: MappedFiles):
         # frombuffer on a read-only mmap warns; the tensor is never written to.
         warnings.simplefilter("ignore", UserWarning)
         shapes = t.part_shapes or [t.shape]
-        if t.chunks is None and len(t.parts) == 1:
+        if t.reduce == "sum":  # every part holds the whole tensor: their sum, added in order
+            out = _flat(t.parts[0], files).view(t.shape).clone()
+            for part in t.parts[1:]:
+                out += _flat(part, files).view(t.shape)
+        elif t.chunks is None and len(t.parts) == 1:
             out = _flat(t.parts[0], files).view(shapes[0])
         else:  # TP slices and N-D blocks alike: chunks written into their boxes
             import torch

@@ -198,7 +198,7 @@ def refuse_unreadable_layouts(tag_dir: str, names: Iterable[str]) -> None:
     misleading layout error or a crash):
 
     - DeepSpeed ``PipelineModule`` saves each layer as ``layer_XX[-model_YY]-model_states.pt``;
-      pipeline parallelism is not read yet;
+      those tags are read by ``sources/deepspeed/pipeline.py``, never by the ZeRO rank-file reader;
     - a ZeRO-1/2 model-states file (``mp_rank_XX_model_states.pt``) beside ZeRO-3 ones
       (``zero_pp_rank_N_mp_rank_XX_model_states.pt``) of the same model-parallel rank: two saves mixed.
     """
@@ -206,8 +206,8 @@ def refuse_unreadable_layouts(tag_dir: str, names: Iterable[str]) -> None:
     found = [n for n in names if _PIPELINE_RE.match(n)]
     if found:
         raise LayoutError(f"{tag_dir}: a DeepSpeed pipeline-parallel checkpoint ({len(found)} "
-                          f"layer_*-model_states.pt files, e.g. {found[0]}); hf-ckpt does not export pipeline "
-                          "parallelism yet: consolidate it with DeepSpeed's own tools first")
+                          f"layer_*-model_states.pt files, e.g. {found[0]}): the ZeRO rank-file reader does not "
+                          "read it; hf-ckpt export/inspect read it with the pipeline source (sources/deepspeed/pipeline.py)")
     zero3 = {m.group(1) for m in map(_ZERO3_MODEL_RE.match, names) if m}
     both = [n for n in names if (m := _ZERO12_MODEL_RE.match(n)) and m.group(1) in zero3]
     if both:

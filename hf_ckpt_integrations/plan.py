@@ -155,6 +155,9 @@ class TensorPlan:
     # (name, chunks tiling ``shape``) of a tied copy held under another name (an FSDP ``lm_head.weight``
     # beside the embedding): bitwise equal to this tensor whatever either's layout; checked, never written.
     tied_copies: List[Tuple[str, List[Chunk]]] = field(default_factory=list)
+    # "sum": the output is the element-wise sum of ``parts`` (each of ``shape``, added in order) — a
+    # row-parallel bias that every TP rank adds before the all-reduce (GPT-NeoX's parallel residual).
+    reduce: Optional[str] = None
 
     @classmethod
     def from_chunks(cls, name: str, shape: Tuple[int, ...], src_dtype: str, chunks: Sequence[Chunk],
@@ -171,6 +174,8 @@ class TensorPlan:
 
     def assembled_shape(self) -> Tuple[int, ...]:
         """The shape the chunks tile, before ``keep_rows`` / ``elem_range``."""
+        if self.reduce is not None:
+            return tuple(self.shape)
         if self.chunks is not None:
             if self.keep_rows is None and self.elem_range is None:
                 return tuple(self.shape)
@@ -192,7 +197,7 @@ class TensorPlan:
     def flat_pieces(self) -> Optional[List[Piece]]:
         """The pieces that laid end to end are the output bytes (the hot path), or None when the
         tensor must be assembled (column slices, N-D blocks, unpadding, a Hub-layout element range)."""
-        if self.keep_rows is not None or self.elem_range is not None:
+        if self.keep_rows is not None or self.elem_range is not None or self.reduce is not None:
             return None
         if self.chunks is not None:
             return row_major_pieces(self.shape, self.chunks)
@@ -304,7 +309,7 @@ class ExportPlan:
                 {"name": t.name, "shape": list(t.shape), "dtype": t.src_dtype, "out_dtype": t.out_dtype,
                  "kind": t.kind,
                  "pieces": sum(len(p) for p in t.parts), "cat_dim": t.cat_dim, "rule": t.rule,
-                 "replicas": len(t.replicas), "hub_source": t.hub_source,
+                 "replicas": len(t.replicas), "hub_source": t.hub_source, "reduce": t.reduce,
                  "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "pieces": len(c.pieces)}
                             for c in t.placement()]}
                 for t in self.tensors
@@ -392,7 +397,11 @@ def check_plan(plan: ExportPlan) -> None:
         if got != want:
             raise LayoutError(f"{where}: its pieces hold {got} elements, its shape needs {want}; please "
                               "report this with `hf-ckpt inspect --json`")
-        if t.chunks is not None or len(t.parts) > 1:
+        if t.reduce is not None and (t.reduce != "sum" or t.chunks is not None or
+                                     any(tuple(s) != tuple(t.shape) for s in t.part_shapes or [()])):
+            raise LayoutError(f"{where}: a reduce {short_repr(t.reduce)} of parts not all of its shape; please "
+                              "report this with `hf-ckpt inspect --json`")
+        if t.reduce is None and (t.chunks is not None or len(t.parts) > 1):
             if any(p.dtype != t.src_dtype for p in pieces):
                 raise LayoutError(f"{where}: its chunks are of several dtypes; files from different saves are "
                                   "mixed: copy one save's files again")

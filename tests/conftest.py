@@ -125,6 +125,12 @@ CASES = {
     "uc-tp-naive": ("ds_universal.py", 2, ["train", "--layout", "tp", "--info", "naive"]),
     "uc-dp-helper": ("ds_universal.py", 2, ["train", "--layout", "dp", "--info", "helper"]),
     "uc-dp-helper-resume": ("ds_universal.py", 1, ["resume", "--from", "uc-dp-helper"]),
+    # DeepSpeed PipelineModule saves in GPT-NeoX's layout (tests/test_deepspeed_pipeline.py): 2 stages x TP 2
+    # (parallel residual fp32, sequential bf16, fp32 without ZeRO) and 2 stages x DP 2, 4 ranks each.
+    "pipe-tp2-fp32-par": ("ds_pipe_train.py", 4, ["--tp", "2", "--dtype", "fp32", "--residual", "parallel"]),
+    "pipe-tp2-bf16-seq": ("ds_pipe_train.py", 4, ["--tp", "2", "--dtype", "bf16", "--residual", "sequential"]),
+    "pipe-dp2-fp32-seq": ("ds_pipe_train.py", 4, ["--tp", "1", "--dtype", "fp32", "--residual", "sequential"]),
+    "pipe-tp2-fp32-z0-par": ("ds_pipe_train.py", 4, ["--tp", "2", "--zero", "0", "--residual", "parallel"]),
     # The Hub-layout family matrix (tests/test_families.py): ZeRO-3 for every family, ZeRO-2 for an
     # MoE one, the Trainer callback and the live (Accelerate hook) save on an MoE one.
     **{f"fam-{f}-z3": ("family_train.py", 2, ["--family", f, "--stage", "3"])

@@ -419,8 +419,10 @@ def test_hf_dir_inputs_that_crashed(hf_export, tmp_path):
 
 
 def test_pipeline_parallel_checkpoint_is_named(tmp_path):
-    """``PipelineModule`` saves (layer files beside per-stage rank files) are named, not reported as a
-    mix of saves. A layout of file names is enough: it is refused before any file is read."""
+    """``PipelineModule`` saves (layer files beside per-stage rank files) go to the pipeline source, not
+    the ZeRO reader (which would report a mix of saves); a damaged one is refused naming the file."""
+    from hf_ckpt_integrations.sources import registry
+
     tag = tmp_path / "pp" / TAG
     tag.mkdir(parents=True)
     (tmp_path / "pp" / "latest").write_text(TAG)
@@ -429,8 +431,9 @@ def test_pipeline_parallel_checkpoint_is_named(tmp_path):
              *(f"layer_{i:02d}-model_00-model_states.pt" for i in range(4))]
     for n in names:
         (tag / n).write_bytes(b"")
+    assert registry.find_source(str(tmp_path / "pp")).NAME == "deepspeed-pipeline"
     dst = tmp_path / "out"
-    assert_refused(hf_ckpt("export", tmp_path / "pp", dst), match="pipeline-parallel", dst=dst)
+    assert_refused(hf_ckpt("export", tmp_path / "pp", dst), match="mp_rank_00_model_states.pt: empty file", dst=dst)
 
 
 def test_zero2_model_states_in_a_zero3_tag(engine_ckpt, tmp_path):

@@ -26,6 +26,7 @@ from ..errors import CheckpointError
 from ..formats.names import CONFIG_NAME
 from ..plan import ExportPlan
 from . import dcp, deepspeed, fsdp_rank_files, hf_dir, hub_layout, peft, universal
+from .deepspeed import pipeline as deepspeed_pipeline
 from .fp32_modules import keep_for_plan
 from .passes import drop_tied_aliases, find_config_dir, finish_plan, tie_embeddings
 from .protocol import PlanContext, SourceOption, check_source, parse_options
@@ -50,6 +51,7 @@ SOURCES = register(
     dcp,  # torch DCP (FSDP, Accelerate save_state, Trainer checkpoint-N under FSDP): before HF weights beside it
     fsdp_rank_files,  # per-rank torch.save FSDP state dicts (verl, SkyRL, Accelerate use_dcp=False)
     hf_dir,  # an HF directory, unless a DeepSpeed checkpoint also resolves there (its YIELDS_TO)
+    deepspeed_pipeline,  # a DeepSpeed PipelineModule save (layer_XX files in the tag): before the ZeRO reader
     deepspeed,  # a DeepSpeed save dir, tag dir or Trainer checkpoint-N
 )
 

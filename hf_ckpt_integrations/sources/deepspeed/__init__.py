@@ -74,6 +74,10 @@ def plan(ctx: PlanContext) -> ExportPlan:
         raise CheckpointError(str(e)) from None
     src = os.path.abspath(src)
     tag_dir, tag = resolve_tag_dir(src, tag)
+    from . import pipeline  # PipelineModule saves (layer_XX files) have their own reader
+
+    if pipeline.is_pipeline_tag(tag_dir):
+        return pipeline.plan(ctx)
     optim, models = find_rank_files(tag_dir)
     mp_ranks = sorted(optim)
     per_mp = [plan_mp_rank(tag_dir, mp, optim[mp], models[mp], out_dtype) for mp in mp_ranks]

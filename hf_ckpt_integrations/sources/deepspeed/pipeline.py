@@ -1,0 +1,475 @@
+"""DeepSpeed pipeline-parallel saves (``PipelineModule``: GPT-NeoX, Megatron-DeepSpeed) -> ExportPlan.
+
+What ``engine.save_checkpoint`` writes for a ``PipelineModule`` (DeepSpeed 0.19.8, read from its
+``runtime/pipe/module.py`` and ``runtime/engine.py``):
+
+- ``layer_{LL}-model_{TT}-model_states.pt``: the state dict of pipeline layer ``LL`` (global index)
+  on tensor-parallel rank ``TT`` (``layer_{LL}-model_states.pt`` without a model axis); layers
+  without parameters (plain functions) get none. Written by data-parallel rank 0 only.
+- ``mp_rank_{MM}_model_states.pt``: ``module`` is None; ``MM`` is the rank inside one data-parallel
+  replica, ``stage * tp + tp_rank``; it records ``mp_world_size``, ``checkpoint_parallel_dimensions``
+  (``pp_degree``, ``tp_degree``; older releases: none) and, under ZeRO-1, ``param_shapes`` named
+  ``"{layer index}.{name inside the layer}"``.
+- ``[bf16_]zero_pp_rank_{D}_mp_rank_{MM}_optim_states.pt``: the fp32 masters of that stage and TP
+  rank, cut in ``D`` data-parallel partitions (ZeRO-1, or ``BF16_Optimizer`` whose files carry no
+  ``zero_stage``). Without them (fp32, no ZeRO) the layer files are the weights.
+
+The masters are placed by :mod:`.zero12` (every partition proven against the layer files'
+weights), TP slices are merged by rules (the checkpoint's ``universal_checkpoint_info``, the
+name map's ``tp``, ``--tp-rule``, or byte-identical slices: one copy), never concatenating a
+replica, and renamed to HF names by the map the HF config's ``model_type`` chooses (:mod:`.name_map`).
+"""
+
+import os
+import re
+from collections import OrderedDict
+from typing import Dict, List, Optional
+
+from ...errors import CheckpointError, LayoutError, short_repr
+from ...formats.dtypes import from_user as dtype_from_name
+from ...formats.torch_files import TensorRef
+from ...plan import ExportPlan, TensorPlan
+from ..protocol import PlanContext, SourceOption
+from ..tp_rules import REPLICATED, Rule, concat_shape, parse_user_rule, rule_from_universal_info, rule_from_user
+from .allowlist import ALLOWED, load
+from .fields import check_model_types, check_optim_types, meta_int, require, tensor_pieces
+from .name_map import ROW_BIAS, builtin_map, builtin_types, load_map, split_native
+from .rank_files import MODEL_RE, OPTIM_RE, claim, resolve_tag_dir
+from .tp_merge import all_identical
+from .zero12 import plan_zero12
+
+__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "ALLOWED", "LAYER_RE", "detect", "config_candidates",
+           "plan", "is_pipeline_tag"]
+
+NAME = "deepspeed-pipeline"
+LOOKS_FOR = "a DeepSpeed PipelineModule save (layer_XX[-model_YY]-model_states.pt beside mp_rank_XX files)"
+# Name maps give the names save_pretrained writes (a Hub checkpoint's: GPT-NeoX's ``embed_out.weight``,
+# which transformers 5 renames to ``lm_head.weight`` in memory on load), not in-memory names: the
+# tied-weight and Hub-layout passes do not apply (tied modules are refused).
+MEMORY_NAMES = False
+OPTIONS = (
+    SourceOption("name_map", "FILE: a JSON name map from pipeline parameter names to HF names and TP rules "
+                 "(docs: 'Pipeline parallelism'); default: the built-in map of config.json's model_type",
+                 parse=load_map),
+    SourceOption("tp_rules", "PATTERN=0|1|replicated: how to merge model-parallel slices of parameters "
+                 "matching PATTERN that neither the checkpoint nor the HF config describes (the CLI's --tp-rule)",
+                 repeated=True, default=[]),
+)
+
+LAYER_RE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
+_ANY_LAYER_RE = re.compile(r"^layer_\d+(?:-[a-z]+_\d+)*-model_states\.pt$")
+
+
+def is_pipeline_tag(tag_dir: str) -> bool:
+    try:
+        return any(_ANY_LAYER_RE.match(n) for n in os.listdir(tag_dir))
+    except OSError:
+        return False
+
+
+def detect(path: str, tag: Optional[str] = None) -> bool:
+    """Claims a DeepSpeed save whose tag dir holds pipeline layer files (names only)."""
+    try:
+        tag_dir, _ = resolve_tag_dir(path, tag)
+    except CheckpointError:
+        return False
+    return is_pipeline_tag(tag_dir)
+
+
+def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
+    path = os.path.abspath(path)
+    return [resolve_tag_dir(path, tag)[0], path, os.path.dirname(path)]
+
+
+class _OptimFile:
+    """One data-parallel partition of one stage x TP rank (ZeRO-1 or BF16_Optimizer), read lazily;
+    what :func:`.zero12.plan_zero12` reads (``path``, ``osd``)."""
+
+    def __init__(self, path, dp_rank, prefix):
+        self.path, self.dp_rank, self.prefix = path, dp_rank, prefix
+        self._osd = None
+
+    @property
+    def osd(self):
+        if self._osd is None:
+            osd = require(load(self.path), "optimizer_state_dict", self.path, "DeepSpeed optimizer")
+            if not isinstance(osd, dict) or "single_partition_of_fp32_groups" not in osd:
+                raise CheckpointError(f"{self.path}: holds no fp32 partitions (single_partition_of_fp32_groups); "
+                                      "not a ZeRO-1 or BF16_Optimizer file of a pipeline save")
+            check_optim_types(osd, self.path)
+            self._osd = osd
+        return self._osd
+
+
+def _list_files(tag_dir):
+    names = sorted(os.listdir(tag_dir))
+    layers: Dict[int, Dict[int, str]] = {}  # layer -> tp rank -> path
+    models: Dict[int, str] = {}
+    optim: Dict[int, Dict[int, _OptimFile]] = {}
+    prefixes = set()
+    odd = [n for n in names if _ANY_LAYER_RE.match(n) and not LAYER_RE.match(n)]
+    if odd:
+        raise LayoutError(f"{tag_dir}: layer file {odd[0]} names a parallel axis other than 'model' (tensor "
+                          "parallelism); such topologies are not read: please report it with the file list")
+    for n in names:
+        path = os.path.join(tag_dir, n)
+        if m := LAYER_RE.match(n):
+            tp = int(m.group(2)) if m.group(2) is not None else 0
+            claim(layers.setdefault(int(m.group(1)), {}), tp, path, tag_dir, n, os.path.basename)
+        elif m := MODEL_RE.match(n):
+            if m.group(1) is not None:
+                raise LayoutError(f"{tag_dir}: {n} is a ZeRO-3 model-states file; DeepSpeed pipelines run ZeRO "
+                                  "0 or 1 only: files from another save were copied in")
+            claim(models, int(m.group(2)), path, tag_dir, n, os.path.basename)
+        elif m := OPTIM_RE.match(n):
+            prefixes.add(m.group(1) or "")
+            claim(optim.setdefault(int(m.group(3)), {}), int(m.group(2)), _OptimFile(path, int(m.group(2)),
+                  m.group(1) or ""), tag_dir, n, lambda f: os.path.basename(f.path))
+    if len(prefixes) > 1:
+        raise LayoutError(f"{tag_dir}: optimizer files of different precisions mixed "
+                          f"({sorted(p or 'fp32' for p in prefixes)}); keep only one save's files")
+    if not models or sorted(models) != list(range(len(models))):
+        raise LayoutError(f"{tag_dir}: model-states files mp_rank_XX_model_states.pt for ranks "
+                          f"{sorted(models)[:8]}, not 0..N-1; a rank file is missing: copy the whole tag directory again")
+    return layers, models, optim
+
+
+def _degrees(tag_dir, model_objs, layers):
+    """(pp, tp) from what the model-states files record, checked against the files present."""
+    n = len(model_objs)
+    tps = sorted({t for by_tp in layers.values() for t in by_tp})
+    found_tp = len(tps)
+    if tps != list(range(found_tp)):
+        raise LayoutError(f"{tag_dir}: layer files of tensor-parallel ranks {tps[:8]}, not 0..N-1; a layer file "
+                          "is missing: copy the whole tag directory again")
+    recorded = set()
+    for mp, (path, obj) in model_objs.items():
+        world = obj.get("mp_world_size")
+        dims = obj.get("checkpoint_parallel_dimensions")
+        pp = tp = None
+        if isinstance(dims, dict):
+            pp = meta_int(dims.get("pp_degree"), path, "pp_degree")
+            tp = meta_int(dims.get("tp_degree"), path, "tp_degree")
+        if world is not None:
+            world = meta_int(world, path, "mp_world_size")
+        recorded.add((world, pp, tp))
+    if len(recorded) != 1:
+        raise LayoutError(f"{tag_dir}: the model-states files record different layouts ({sorted(map(str, recorded))}); "
+                          "files from different saves are mixed: copy one save's tag directory again")
+    world, pp, tp = recorded.pop()
+    if tp is None:
+        tp = found_tp
+        pp = n // tp if tp and n % tp == 0 else None
+    if world is not None and world != n:
+        raise LayoutError(f"{tag_dir}: the model-states files record mp_world_size={world}, but {n} "
+                          "mp_rank_XX_model_states.pt files are present; copy the whole tag directory again")
+    if pp is None or pp * tp != n or tp != found_tp:
+        raise LayoutError(f"{tag_dir}: {n} model-states files and layer files of {found_tp} tensor-parallel ranks do "
+                          f"not fit pp={pp} x tp={tp}; files from different saves are mixed")
+    return pp, tp
+
+
+def _layer_state(path):
+    sd = load(path)
+    if not isinstance(sd, dict) or not all(type(k) is str for k in sd):
+        raise LayoutError(f"{path}: not a layer state dict (a dict of names to tensors); the file is corrupt")
+    out = OrderedDict()
+    for k, v in sd.items():
+        if not isinstance(v, TensorRef):
+            raise LayoutError(f"{path}: {short_repr(k)} is a {type(v).__name__}, not a tensor; the file is corrupt")
+        out[k] = v
+    return out
+
+
+def _whole(ref: TensorRef, path: str, name: str):
+    if not ref.is_contiguous():
+        raise LayoutError(f"{path}: {name} is saved as a strided view; re-save it (the layer file is not read)")
+    return [tensor_pieces(ref, 0, ref.numel)]
+
+
+def plan(ctx: PlanContext) -> ExportPlan:
+    """Plan the export of a pipeline-parallel DeepSpeed save (see the module docstring).
+
+    Options: ``name_map`` (a :class:`.name_map.NameMap` from ``--source-option name_map=FILE``),
+    ``tp_rules`` (``--tp-rule``). Raises :class:`CheckpointError` for what it cannot prove."""
+    src = os.path.abspath(ctx.path)
+    out_dtype = dtype_from_name(ctx.dtype)  # noqa: F841  (checked here: an unknown dtype is refused early)
+    try:
+        user_rules = [parse_user_rule(r) for r in (ctx.option("tp_rules") or [])]
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    tag_dir, tag = resolve_tag_dir(src, ctx.tag)
+    layers, models, optim = _list_files(tag_dir)
+    model_objs = {}
+    for mp, path in models.items():
+        obj = load(path)
+        if not isinstance(obj, dict):
+            raise CheckpointError(f"{path}: not a DeepSpeed model-states file; pass the directory of an "
+                                  "engine.save_checkpoint() call")
+        check_model_types({**obj, "param_shapes": obj.get("param_shapes") or []}, path)  # None without ZeRO
+        model_objs[mp] = (path, obj)
+    pp, tp = _degrees(tag_dir, model_objs, layers)
+    states = {(layer, t): _layer_state(path) for layer, by_tp in layers.items() for t, path in by_tp.items()}
+    for layer, by_tp in layers.items():
+        if sorted(by_tp) != list(range(tp)):
+            raise LayoutError(f"{tag_dir}: layer {layer} has files for TP ranks {sorted(by_tp)}, not 0..{tp - 1}; "
+                              "a layer file is missing: copy the whole tag directory again")
+
+    stage_of: Dict[int, int] = {}
+    per_tp: List["OrderedDict[str, TensorPlan]"] = [OrderedDict() for _ in range(tp)]
+    dp_sizes, zero = set(), set()
+    info = None
+    for mp in range(pp * tp):
+        stage, t = divmod(mp, tp)
+        path, obj = model_objs[mp]
+        info = info or obj.get("universal_checkpoint_info")
+        groups = obj.get("param_shapes")
+        module = {}  # the stage's weights from its layer files: what each master is proven against
+        ranks = optim.get(mp, {})
+        if groups:
+            for g in groups:
+                for name in g:
+                    try:
+                        layer, inner = split_native(name)
+                    except ValueError as e:
+                        raise LayoutError(f"{path}: {e}; a tied module (TiedLayerSpec) or another layout is not "
+                                          "read by this source: please report it") from None
+                    if stage_of.setdefault(layer, stage) != stage:
+                        raise LayoutError(f"{path}: layer {layer} is recorded on stages {stage_of[layer]} and {stage}; "
+                                          "files from different saves are mixed")
+                    ref = states.get((layer, t), {}).get(inner)
+                    if ref is None:
+                        raise LayoutError(f"{path}: parameter {name} has no weight in "
+                                          f"layer_{layer:02d}-model_{t:02d}-model_states.pt; a layer file is missing "
+                                          "or comes from another save")
+                    module[name] = ref
+        if not ranks:
+            if groups:
+                raise LayoutError(f"{path}: records ZeRO parameter groups, but no *_mp_rank_{mp:02d}_optim_states.pt "
+                                  "file holds their masters; copy the whole tag directory again")
+            continue  # no ZeRO and no BF16_Optimizer: the layer files are the weights (below)
+        if not groups:
+            raise LayoutError(f"{path}: records no param_shapes, so the optimizer files' fp32 masters cannot be "
+                              "named (a BF16_Optimizer without ZeRO); re-save with zero_optimization.stage 1")
+        dp = len(ranks)
+        if sorted(ranks) != list(range(dp)):
+            raise LayoutError(f"{tag_dir}: data-parallel ranks {sorted(ranks)[:8]} of mp_rank {mp:02d}, not 0..N-1; "
+                              "copy the whole tag directory again")
+        for r in ranks.values():
+            pc = r.osd.get("partition_count")
+            counts = pc if isinstance(pc, list) else [pc]
+            if not counts or any(meta_int(c, r.path, "partition_count") != dp for c in counts):
+                raise LayoutError(f"{r.path}: records partition_count={short_repr(pc)}, but {dp} data-parallel "
+                                  "files are present; files from different saves are mixed")
+            stage_rec = r.osd.get("zero_stage")  # BF16_Optimizer records none: ZeRO-1 (param_shapes are recorded)
+            zero.add(meta_int(stage_rec, r.path, "zero_stage") if stage_rec is not None else 1)
+        dp_sizes.add(dp)
+        tensors: "OrderedDict[str, TensorPlan]" = OrderedDict()
+        plan_zero12(ranks, groups, path, tensors, module)
+        for name, tplan in tensors.items():
+            if tplan.module_check is None:
+                raise LayoutError(f"{path}: the fp32 master of {name} cannot be proven against its layer file "
+                                  "(shape or dtype differ); files from different saves are mixed")
+            per_tp[t][name] = tplan
+    if len(dp_sizes) > 1:
+        raise LayoutError(f"{tag_dir}: stages hold different data-parallel sizes {sorted(dp_sizes)}")
+
+    # Layer-file tensors no master covers: frozen parameters and buffers (fp32 without ZeRO: all).
+    for (layer, t), sd in sorted(states.items()):
+        for inner, ref in sd.items():
+            name = f"{layer}.{inner}"
+            if name not in per_tp[t]:
+                kind = "master" if not optim and ref.dtype == "F32" else "frozen"
+                per_tp[t][name] = TensorPlan(name, ref.shape, ref.dtype,
+                                             [_whole(ref, layers[layer][t], inner)], kind=kind)
+
+    names = list(per_tp[0])
+    for t in range(1, tp):
+        if set(per_tp[t]) != set(names):
+            diff = sorted(set(per_tp[t]) ^ set(names))
+            raise LayoutError(f"{tag_dir}: tensor-parallel rank {t} holds other parameters than rank 0 ({diff[:3]}); "
+                              "files from different saves are mixed")
+    names.sort(key=lambda n: split_native(n)[0])  # layer order, then each layer's own order
+
+    name_map, map_note = _choose_map(ctx)
+    layer_names: Dict[int, List[str]] = {}
+    for n in names:
+        layer, inner = split_native(n)
+        layer_names.setdefault(layer, []).append(inner)
+    blocks = name_map.blocks(layer_names) if name_map else {}
+    parallel_residual = None
+    out, dropped = [], []
+    seen = {}
+    for n in names:
+        layer, inner = split_native(n)
+        entry = None
+        if name_map is not None:
+            try:
+                entry = name_map.lookup(layer, inner, blocks)
+            except ValueError as e:
+                raise LayoutError(f"{tag_dir}: {e} ({name_map.source})") from None
+            if entry is None:
+                raise LayoutError(f"{tag_dir}: parameter {n} matches no entry of the {name_map.source}; pass "
+                                  "--source-option name_map=FILE with an entry for it (docs: 'Pipeline parallelism')")
+            if entry.drop is not None:
+                dropped.append(f"{n} ({entry.drop})")
+                continue
+        hf = name_map.hf_name(entry, layer, blocks) if entry else n
+        if hf in seen:
+            raise LayoutError(f"{tag_dir}: {seen[hf]} and {n} both map to {hf}; fix the name map")
+        seen[hf] = n
+        slices = [per_tp[t][n] for t in range(tp)]
+        if tp == 1:
+            t0 = slices[0]
+            out.append(TensorPlan(hf, t0.shape, t0.src_dtype, t0.parts, kind=t0.kind, module_check=t0.module_check))
+            continue
+        tp_value = entry.tp if entry else None
+        if tp_value == ROW_BIAS and parallel_residual is None:
+            parallel_residual = _parallel_residual(ctx)
+        merged = _merge(hf, n, slices, tp_value, parallel_residual, info, user_rules, name_map)
+        out.append(merged)
+
+    if name_map is not None and ctx.config_dir is not None:
+        _check_against_config(out, ctx.config_dir)
+
+    files = sorted({p.path for t in out for part in t.parts + t.replicas for p in part} | set(models.values()) |
+                   {p for by_tp in layers.values() for p in by_tp.values()})
+    dtypes = {"master": "F32"} if optim or all(t.src_dtype == "F32" for t in out) else {}
+    layer_dtypes = {ref.dtype for sd in states.values() for ref in sd.values()}
+    if len(layer_dtypes) == 1:
+        dtypes["module"] = layer_dtypes.pop()
+    stages = sorted(set(stage_of.values()))
+    detail = {"zero_stage": max(zero) if zero else 0, "pp_size": pp, "tp_size": tp,
+              "dp_size": dp_sizes.pop() if dp_sizes else None, "mp_size": pp * tp,
+              "mp_axis": f"pipeline {pp} stages x tp {tp}",
+              "mp_axis_reason": "mp_rank = stage x tp + tp rank (DeepSpeed PipelineModule); " + _stage_map_text(stage_of),
+              "layer_stage": {str(k): v for k, v in sorted(stage_of.items())} if stage_of else None,
+              "layers_with_files": sorted(layers),
+              "name_map": name_map.source if name_map else None}
+    if not stages and pp > 1:
+        detail["layer_stage"] = None
+    plan_ = ExportPlan(engine="deepspeed", source=src, tag=tag, tensors=out, dtypes=dtypes, files=files,
+                       detail=detail)
+    version = model_objs[0][1].get("ds_version")
+    plan_.engine_version = version if isinstance(version, str) else None
+    plan_.notes.append(f"DeepSpeed pipeline: {pp} stages x TP {tp} x DP {detail['dp_size'] or 1}")
+    if map_note:
+        plan_.notes.append(map_note)
+    if dropped:
+        plan_.notes.append(f"not written (name map): {', '.join(dropped[:4])}{' ...' if len(dropped) > 4 else ''}")
+    if not optim:
+        plan_.notes.append("no optimizer partitions (no ZeRO): the layer files' weights are exported")
+    return plan_
+
+
+def _check_against_config(tensors, config_dir) -> None:
+    """The mapped names and shapes are exactly what ``save_pretrained`` of the config's model writes
+    (its meta model's state dict, renamed by transformers' own save-time conversion): a map or a
+    config that does not fit the checkpoint is refused, never written as a directory that loads
+    with missing weights. Nothing is checked when transformers cannot build the model (a note-free
+    skip: ``from_pretrained`` would fail the same way)."""
+    from ..hub_layout import hub_layout, meta_model
+
+    model = meta_model(config_dir)
+    if model is None:
+        return
+    shapes = {n: tuple(p.shape) for n, p in model.state_dict().items()}
+    layout = hub_layout(shapes, model)
+    want = {h.name: tuple(h.shape) for h in layout} if layout else shapes
+    got = {t.name: tuple(t.shape) for t in tensors}
+    bad = [f"{n} missing" for n in want if n not in got] + [f"{n} not in the model" for n in got if n not in want]
+    bad += [f"{n} {list(got[n])} vs the model's {list(want[n])}" for n in got if n in want and got[n] != want[n]]
+    if bad:
+        raise LayoutError(f"{config_dir}/config.json: its {type(model).__name__} does not fit the mapped checkpoint "
+                          f"({len(bad)} differences: {'; '.join(bad[:3])}); pass --config the trained model's "
+                          "config, or fix the name map")
+
+
+def _stage_map_text(stage_of: Dict[int, int]) -> str:
+    """``"layers 0, 2 on stage 0; 3, 5, 6 on stage 1"`` (what ``inspect`` prints)."""
+    if not stage_of:
+        return "layer -> stage map not recorded (no ZeRO param_shapes)"
+    by_stage: Dict[int, List[int]] = {}
+    for layer, stage in sorted(stage_of.items()):
+        by_stage.setdefault(stage, []).append(layer)
+    return "layers " + "; ".join(f"{', '.join(map(str, ls))} on stage {s}" for s, ls in sorted(by_stage.items()))
+
+
+def _choose_map(ctx):
+    user = ctx.option("name_map")
+    if user is not None:
+        return user, f"names from {user.source}"
+    if ctx.config_dir is None:
+        return None, ("no config.json: the native pipeline names ('<layer>.<name>') are exported, merged over TP; "
+                      "pass --config DIR (an HF config of a model type with a built-in map: "
+                      f"{', '.join(builtin_types())}) or --source-option name_map=FILE for HF names")
+    model_type = ctx.config.get("model_type")
+    m = builtin_map(model_type)
+    if m is None:
+        raise CheckpointError(f"{ctx.config_dir}/config.json: model_type {short_repr(model_type)} has no built-in "
+                              f"pipeline name map (maps: {', '.join(builtin_types())}); pass --source-option "
+                              "name_map=FILE mapping the pipeline's names to this model's (docs: 'Pipeline parallelism')")
+    return m, f"names from the {m.source}"
+
+
+def _parallel_residual(ctx) -> bool:
+    value = ctx.config.get("use_parallel_residual") if ctx.config_dir else None
+    if not isinstance(value, bool):
+        where = f"{ctx.config_dir}/config.json" if ctx.config_dir else "the checkpoint"
+        raise CheckpointError(f"{where}: records no use_parallel_residual (true/false), which decides how the TP "
+                              "ranks' row-parallel biases merge (their sum, or one copy); pass --config DIR with the "
+                              "model's config.json")
+    return value
+
+
+def _rule_for(hf, native, slices, tp_value, parallel_residual, info, user_rules, name_map):
+    if info is not None:
+        rule = rule_from_universal_info(native, info)
+        if rule is not None:
+            return rule, None
+    if tp_value == ROW_BIAS:
+        if parallel_residual:
+            return None, "sum"
+        return Rule(None, f"{name_map.source}: row_bias, use_parallel_residual=false: one copy"), None
+    if tp_value is not None:
+        dim = None if tp_value == REPLICATED else int(tp_value)
+        return Rule(dim, f"{name_map.source}: {tp_value}"), None
+    rule = rule_from_user(hf, user_rules) or (rule_from_user(native, user_rules) if native != hf else None)
+    if rule is None and all_identical({hf: slices}):
+        rule = Rule(None, "slices are byte-identical")
+    if rule is None:
+        raise LayoutError(f"{native}: its {len(slices)} tensor-parallel slices {[list(s.shape) for s in slices]} "
+                          "differ and no rule covers it (no universal_checkpoint_info, no name map entry); pass "
+                          f"--tp-rule '{hf}=0' (split rows), '=1' (split columns) or '=replicated'")
+    return rule, None
+
+
+def _merge(hf, native, slices, tp_value, parallel_residual, info, user_rules, name_map) -> TensorPlan:
+    first = slices[0]
+    rule, reduce = _rule_for(hf, native, slices, tp_value, parallel_residual, info, user_rules, name_map)
+    shapes = [s.shape for s in slices]
+    if reduce == "sum" or (rule is not None and rule.replicated):
+        if any(s != first.shape for s in shapes):
+            what = "row_bias (every rank holds the whole bias)" if reduce else f"replicated ({rule.source})"
+            raise LayoutError(f"{native}: {what}, but the TP ranks hold shapes {[list(s) for s in shapes]}; fix the "
+                              "name map or pass --tp-rule")
+        if reduce == "sum":
+            # Parallel residual: each rank adds its bias before the all-reduce, so the model's bias is the
+            # sum over ranks (summed in rank order in fp32, as the all-reduce of the outputs adds them).
+            return TensorPlan(hf, first.shape, first.src_dtype, [s.parts[0] for s in slices], kind=first.kind,
+                              part_shapes=[tuple(first.shape)] * len(slices), reduce="sum",
+                              rule=f"{name_map.source}: row_bias, use_parallel_residual=true: sum over TP ranks")
+        return TensorPlan(hf, first.shape, first.src_dtype, first.parts, kind=first.kind, rule=rule.source,
+                          replicas=[s.parts[0] for s in slices[1:]], module_check=first.module_check)
+    try:
+        shape = concat_shape(shapes, rule.dim)
+    except ValueError as e:
+        raise LayoutError(f"{native}: {e} (rule from {rule.source}); fix the name map or pass --tp-rule") from None
+    keep = rule.keep_rows if rule.keep_rows is not None and shape[0] > rule.keep_rows else None
+    if keep is not None:
+        shape = (keep,) + shape[1:]
+    check = None
+    if all(s.module_check is not None for s in slices):
+        check = ([s.module_check[0][0] for s in slices], [s.module_check[1][0] for s in slices])
+    return TensorPlan(hf, shape, first.src_dtype, [s.parts[0] for s in slices], kind=first.kind, cat_dim=rule.dim,
+                      part_shapes=shapes, keep_rows=keep, rule=rule.source, module_check=check)
