@@ -12,6 +12,7 @@ import hashlib
 import importlib.metadata as md
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -139,7 +140,14 @@ CASES = {
     "peft-z3": ("peft_trainer_run.py", 2, ["--stage", "3"]),
     "peft-z3-gather": ("peft_trainer_run.py", 2, ["--stage", "3", "--gather-on-save", "--adapter-name", "mine"]),
     "peft-z2": ("peft_trainer_run.py", 2, ["--stage", "2", "--modules-to-save", "--rslora"]),
+    # hf-ckpt universal, resumed under DeepSpeed's load_universal at another layout ("-to1": 1 rank...)
+    # beside the same save resumed at its own layout ("-own"); "{case:X}" is case X's directory.
+    **{f"ucw-{src}-{to}": ("ds_uc_resume.py", n, ["--from", f"{{case:{src}}}", "--load", load, *extra])
+       for src, extra in (("replica-z2", ["--layout", "replica", "--stage", "2"]),
+                          ("tp-z1", ["--layout", "tp", "--stage", "1", "--vocab", "1002"]))
+       for to, n, load in (("own", 2, "own"), ("to1", 1, "universal"))},
 }
+CASE_REF = re.compile(r"^\{case:([\w.-]+)\}$")  # an argument naming another case's directory
 
 
 def _cache_key(script: str) -> str:
@@ -158,6 +166,9 @@ def _cache_key(script: str) -> str:
         paths.append(ENGINES / "fsdp_train.py")
     if any(CASES[name][0] == script for name in ACCELERATE):
         paths += sorted(ACCELERATE_CONFIGS.iterdir())
+    for refs in sorted({m.group(1) for s, _, a in CASES.values() if s == script for x in a
+                        for m in [CASE_REF.match(str(x))] if m}):
+        h.update(_cache_key(CASES[refs][0]).encode())  # a case built from another case's output
     if "hf_ckpt_integrations" in (ENGINES / script).read_text():
         # The run itself calls the package (save-time hooks): its code is part of the result.
         paths += sorted((REPO / "hf_ckpt_integrations").rglob("*.py"))
@@ -210,6 +221,7 @@ _FAILED = {}  # name -> error: a case that failed is not run again in the same s
 
 def build_case(name: str) -> Path:
     script, nproc, args = CASES[name]
+    args = [str(build_case(m.group(1))) if m else a for a in args for m in [CASE_REF.match(str(a))]]
     out = cache_root() / _cache_key(script) / name  # cases of one script share a parent (see cb-z3-resume)
     refuse_engine_launch(f"engine case {name}")  # even a cached one: the fast suite needs no engine run
     if (out / "DONE").exists():
