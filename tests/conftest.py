@@ -144,7 +144,8 @@ CASES = {
     # beside the same save resumed at its own layout ("-own"); "{case:X}" is case X's directory.
     **{f"ucw-{src}-{to}": ("ds_uc_resume.py", n, ["--from", f"{{case:{src}}}", "--load", load, *extra])
        for src, extra in (("replica-z2", ["--layout", "replica", "--stage", "2"]),
-                          ("tp-z1", ["--layout", "tp", "--stage", "1", "--vocab", "1002"]))
+                          ("tp-z1", ["--layout", "tp", "--stage", "1", "--vocab", "1002",
+                                     "--tp-rule", "model.embed_tokens.weight=0"]))
        for to, n, load in (("own", 2, "own"), ("to1", 1, "universal"))},
 }
 CASE_REF = re.compile(r"^\{case:([\w.-]+)\}$")  # an argument naming another case's directory

@@ -7,7 +7,7 @@
 ``ckpt/`` saved after 2 steps, ``config/``). ``--load own`` rebuilds the saving run's layout
 (``--layout``: plain data parallel, a replica ``mpu`` of N ranks, the TP-by-hand Llama of
 ds_tp_train.py) and loads ``ckpt`` with DeepSpeed's ordinary loader; ``--load universal`` has rank 0
-write ``OUT/uc/global_step2`` with ``hf_ckpt_integrations.write_universal_checkpoint`` and loads it
+write (with ``--tp-rule``s) ``OUT/uc/global_step2`` with ``hf_ckpt_integrations.write_universal_checkpoint`` and loads it
 into a plain Llama on N data-parallel ranks with ``"checkpoint": {"load_universal": true}``.
 
 Either way the run records (rank 0) in ``OUT/loaded.safetensors`` the states the engine holds right
@@ -40,6 +40,7 @@ def main():
     p.add_argument("--load", choices=["own", "universal"], required=True)
     p.add_argument("--saved-dp", type=int, default=1, help="data-parallel size of the saving run")
     p.add_argument("--vocab", type=int, default=common.VOCAB_SIZE)
+    p.add_argument("--tp-rule", action="append", default=[], help="passed to write_universal_checkpoint")
     args = p.parse_args()
 
     import deepspeed
@@ -55,7 +56,7 @@ def main():
             from hf_ckpt_integrations import write_universal_checkpoint
 
             report = write_universal_checkpoint(ckpt, args.out / "uc" / f"global_step{SAVED_AT}",
-                                                config=str(args.src / "config"))
+                                                config=str(args.src / "config"), tp_rules=args.tp_rule)
             common.write_json(args.out / "universal.json", report)
         dist.barrier()
         load_dir, tag = str(args.out / "uc"), f"global_step{SAVED_AT}"
