@@ -287,6 +287,8 @@ def _optimizer_state(plan, states, steps, files) -> dict:
     except _NotPlain as e:
         raise CheckpointError(f"{plan.source}: the optimizer's {e}; not an optimizer this writer knows") from None
     out = {k: _plain(fields[k], files, k) for k in _GLOBAL_FIELDS if k in fields and _is_plain(fields[k])}
+    if "ds_version" not in out and plan.engine_version:  # ZeRO-3 files record it in the model states only;
+        out["ds_version"] = plan.engine_version          # a ZeRO-1/2 loader requires it
     out["param_groups"] = groups
     step = steps[0] if steps else None
     # ZeRO-3's loader takes the step from here (state 0), ZeRO-1/2's from each zero/<name>/step.pt.

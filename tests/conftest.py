@@ -147,6 +147,12 @@ CASES = {
                           ("tp-z1", ["--layout", "tp", "--stage", "1", "--vocab", "1002",
                                      "--tp-rule", "model.embed_tokens.weight=0"]))
        for to, n, load in (("own", 2, "own"), ("to1", 1, "universal"))},
+    **{f"ucw-replica-z3-{to}": ("ds_uc_resume.py", n, ["--from", "{case:replica-z3}", "--load", load, "--layout",
+                                                        "replica", "--stage", "3"])
+       for to, n, load in (("own", 2, "own"), ("to1", 1, "universal"))},
+    # 12 data-parallel ranks onto 2 and 1 (its own layout, 12 processes, is too slow to rerun in CI).
+    **{f"ucw-z2-dp12-to{n}": ("ds_uc_resume.py", n, ["--from", "{case:z2-dp12}", "--load", "universal", "--layout",
+                                                     "plain", "--stage", "2", "--saved-dp", "12"]) for n in (1, 2)},
 }
 CASE_REF = re.compile(r"^\{case:([\w.-]+)\}$")  # an argument naming another case's directory
 

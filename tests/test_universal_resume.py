@@ -33,3 +33,24 @@ def test_universal_resume_continues_the_run(src, to, engine_ckpt):
     assert uni["steps"] == own["steps"] and own["steps"], "optimizer step not carried"
     assert uni["global_steps"] == own["global_steps"]
     assert uni["losses"] == pytest.approx(own["losses"], rel=1e-5, abs=1e-6)
+
+
+def test_zero3_replica_save_resumes_on_one_rank(engine_ckpt):
+    test_universal_resume_continues_the_run("replica-z3", "to1", engine_ckpt)
+
+
+def test_twelve_ranks_resume_on_two_and_one(engine_ckpt):
+    """Seed 004: 12 data-parallel ranks (file names sort 0, 1, 10, 11, 2...) onto 2 and onto 1: the
+    loaded fp32 masters are the engine's own at save time, bitwise; both resumed runs load the same
+    optimizer states and continue with the same losses."""
+    import torch
+
+    ref = load_file(str(engine_ckpt("z2-dp12") / "reference" / "master.safetensors"))
+    one, one_states = _run(engine_ckpt("ucw-z2-dp12-to1"))
+    two, two_states = _run(engine_ckpt("ucw-z2-dp12-to2"))
+    for name, want in ref.items():
+        assert torch.equal(one_states[f"fp32/{name}"].view(torch.int32), want.view(torch.int32)), name
+    assert sorted(one_states) == sorted(two_states)
+    assert all(torch.equal(one_states[k].view(torch.int32), two_states[k].view(torch.int32)) for k in one_states)
+    assert one["steps"] == two["steps"] == [2.0] and one["global_steps"] == two["global_steps"]
+    assert one["losses"] == pytest.approx(two["losses"], rel=1e-5, abs=1e-6)

@@ -70,12 +70,17 @@ class OptimizerStates:
                     if not isinstance(ref, TensorRef) or not isinstance(states, dict):
                         raise LayoutError(f"{rank.path}: parameter group {g} has no optimizer state "
                                           f"({short_repr(states)}); the file is corrupt or from another optimizer")
-                    tensors = [k for k, v in states.items() if isinstance(v, TensorRef) and v.numel == ref.numel
-                               and v.shape != ()]
+                    # A state tensor covers the partition element for element; the last rank's keeps the
+                    # group's alignment padding at its end, which the saved partition drops.
+                    pads = rank.osd.get("group_paddings")
+                    pad = pads[g] if isinstance(pads, list) and g < len(pads) and type(pads[g]) is int else 0
+                    tensors = [k for k, v in states.items() if isinstance(v, TensorRef) and v.shape != ()
+                               and v.numel in (ref.numel, ref.numel + pad)]
                     scalars = [k for k in states if k not in tensors]
                     if not self.tensor_names and not self.scalar_names:
                         self.tensor_names, self.scalar_names = tensors, scalars
-                    if tensors != self.tensor_names or scalars != self.scalar_names:
+                    # (the order of a state dict's keys varies between files of one save: 0.10 puts step first)
+                    if set(tensors) != set(self.tensor_names) or set(scalars) != set(self.scalar_names):
                         raise LayoutError(f"{rank.path}: parameter group {g} holds optimizer states {tensors + scalars}, "
                                           f"other files {self.tensor_names + self.scalar_names}; files from different "
                                           "saves are mixed: copy one save's tag directory again")
