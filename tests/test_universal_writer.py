@@ -135,3 +135,26 @@ def test_cli_writes_and_says_how_to_load(tmp_path, committed_zero2):
     assert r.returncode == 0, r.stderr
     assert "load_checkpoint(" in r.stdout and "tag='global_step2_universal'" in r.stdout
     assert "load_universal" in r.stdout
+
+
+def test_ds_to_universal_doubles_replicas_where_we_write_one_copy(tmp_path):
+    """Seed 000's save through DeepSpeed's own converter (the installed release, on the 0.14.4
+    engine's replica save): with --inject_missing_state it concatenates the replicas — every tensor
+    doubled — where `universal` writes the full tensor once."""
+    import subprocess
+    import sys
+
+    work = tmp_path / "work"
+    shutil.copytree(FIXTURES / "0.14.4" / "zero2-replica", work)
+    r = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                        str(work / "ckpt" / "global_step2"), "--output_folder", str(tmp_path / "ds"),
+                        "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    _write("0.14.4/zero2-replica", tmp_path / "ours")
+    ref = load_file(str(FIXTURES / "0.14.4" / "zero2-replica" / "reference.safetensors"))
+    for name in ("lm_head.weight", "model.norm.weight"):
+        theirs = _load(tmp_path / "ds" / "zero" / name / "fp32.pt")["param"]
+        ours = _load(tmp_path / "ours" / "zero" / name / "fp32.pt")["param"]
+        assert theirs.shape[0] == 2 * ref[name].shape[0]  # the replica axis concatenated
+        assert torch.equal(_bits(ours), _bits(ref[name]))
