@@ -244,14 +244,22 @@ def universal_command_parser(subparsers=None):
     p.add_argument("--tp-rule", action="append", default=[], metavar="PATTERN=0|1|replicated",
                    help="how to merge model-parallel slices of parameters matching PATTERN (fnmatch) that "
                         "neither the checkpoint nor the HF config describes; repeatable")
+    p.add_argument("--dry-run", action="store_true", help="write nothing: print as JSON what would be written, "
+                   "per parameter its full shape, how its model-parallel slices merge (rule and where it came from) "
+                   "and which states")
     p.add_argument("--quiet", action="store_true", help="no summary")
     p.set_defaults(func=universal_command)
     return p
 
 
 def universal_command(args) -> int:
-    from .universal_writer import write_universal_checkpoint
+    from .universal_writer import plan_universal, universal_summary, write_universal_checkpoint
 
+    if args.dry_run:
+        with contextlib.redirect_stdout(sys.stderr):
+            plan, states, _ = plan_universal(args.src, tag=args.tag, config=args.config, tp_rules=args.tp_rule)
+        print(json.dumps({**plan.summary(), "universal": universal_summary(plan, states)}, indent=2))
+        return EXIT_OK
     with contextlib.redirect_stdout(sys.stderr):  # what importing engines prints never mixes with the summary
         report = write_universal_checkpoint(args.src, args.dst, tag=args.tag, config=args.config,
                                             tp_rules=args.tp_rule)

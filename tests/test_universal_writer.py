@@ -158,3 +158,25 @@ def test_ds_to_universal_doubles_replicas_where_we_write_one_copy(tmp_path):
         ours = _load(tmp_path / "ours" / "zero" / name / "fp32.pt")["param"]
         assert theirs.shape[0] == 2 * ref[name].shape[0]  # the replica axis concatenated
         assert torch.equal(_bits(ours), _bits(ref[name]))
+
+
+def test_verify_checks_every_state_and_dry_run_writes_nothing(tmp_path):
+    src = FIXTURES / "0.14.4" / "zero2-replica" / "ckpt"
+    r = hf_ckpt("universal", src, tmp_path / "plan", "--dry-run")
+    assert r.returncode == 0 and not (tmp_path / "plan").exists(), r.stderr
+    import json
+
+    shown = json.loads(r.stdout)
+    assert shown["mp_axis"] == "replica" and shown["universal"]["optimizer_states"] == ["exp_avg", "exp_avg_sq", "step"]
+    assert all(p["merge"].startswith("replicas") for p in shown["universal"]["parameters"])
+    dst = tmp_path / "uc"
+    assert hf_ckpt("universal", src, dst, "--quiet").returncode == 0
+    r = hf_ckpt("verify", dst, "--against", src)
+    assert r.returncode == 0 and "108 tensors" in r.stdout, r.stdout + r.stderr  # 27 parameters x 4 states
+    path = dst / "zero" / "model.norm.weight" / "exp_avg_sq.pt"
+    d = _load(path)
+    d["param"][3] += 1
+    path.unlink()
+    torch.save(d, path)
+    r = hf_ckpt("verify", dst, "--against", src)
+    assert r.returncode == 1 and "model.norm.weight/exp_avg_sq.pt: differs" in r.stdout, r.stdout + r.stderr
