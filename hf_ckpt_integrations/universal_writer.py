@@ -323,7 +323,7 @@ def verify_universal(dst, against, *, tag: Optional[str] = None, config: Optiona
     every ``step.pt`` the stored step, no parameter or state missing or extra. ``dst``'s files are
     read by the same restricted unpickler as any source (never ``torch.load``). Returns a
     :class:`~.verify.VerifyReport` (``checked`` counts state files)."""
-    from .assemble import _read_all, torch_tensor
+    from .assemble import torch_tensor
     from .sources.deepspeed.allowlist import load
     from .verify import VerifyReport
 
@@ -362,7 +362,7 @@ def verify_universal(dst, against, *, tag: Optional[str] = None, config: Optiona
                 if name == "fp32":
                     want = want.float()
                 if not isinstance(ref, TensorRef) or ref.shape != tuple(want.shape) or ref.dtype != "F32" or \
-                        _read_all([_piece_of(ref)], files) != want.contiguous().view(-1).numpy().tobytes():
+                        bytes(files.read(ref.path, *ref.byte_range())) != want.contiguous().view(-1).numpy().tobytes():
                     report.differences.append(f"{t.name}/{name}.pt: differs from the source's {name}")
             for name in states.scalar_names if trained else ():
                 report.checked += 1
@@ -374,9 +374,3 @@ def verify_universal(dst, against, *, tag: Optional[str] = None, config: Optiona
                     report.differences.append(f"{t.name}/{name}.pt: differs from the source's {name}")
     return report
 
-
-def _piece_of(ref: TensorRef):
-    from .plan import Piece
-
-    offset, _ = ref.byte_range()
-    return Piece(ref.path, offset, ref.numel, ref.dtype)
