@@ -205,8 +205,7 @@ def write_universal_checkpoint(src, dst, *, tag: Optional[str] = None, config: O
     staging = strategy.begin()
     written = {"files": 0, "bytes": 0}
     try:
-        with MappedFiles() as files:
-            written = _write(plan, states, model, staging, files, notes)
+        written = _write(plan, states, model, staging, notes)
         strategy.commit()
     except BaseException:
         strategy.abort()
@@ -225,59 +224,87 @@ def _param_dict(t: TensorPlan, tensor) -> dict:
     return out
 
 
-def _write(plan: ExportPlan, states, model, staging, files, notes) -> Dict[str, int]:
+def _write(plan: ExportPlan, states, model, staging, notes) -> Dict[str, int]:
+    zero = os.path.join(staging, ZERO_DIR)
+    os.mkdir(zero)
+    out = {"files": 0, "bytes": 0, "buffers": OrderedDict(), "steps": [], "shapes": OrderedDict(),
+           "frozen": OrderedDict()}
+    for t in plan.tensors:
+        _write_param(plan, states, t, zero, out)
+    with MappedFiles() as files:
+        nbytes = _save(_optimizer_state(plan, states, out["steps"], files), os.path.join(zero, "optimizer_state.pt"))
+        states_file = _model_states(plan, model, out["shapes"], out["frozen"], out["buffers"], files, notes)
+    for name in MODEL_STATES:
+        nbytes += _save(states_file, os.path.join(staging, name))
+    return {"files": out["files"] + 1 + len(MODEL_STATES), "bytes": out["bytes"] + nbytes}
+
+
+def _read(t: TensorPlan):
+    """The tensor ``t`` describes, its replicas checked first, in memory of its own: a plain tensor
+    (its pieces laid end to end) is read with ``pread`` straight into one buffer; anything else is
+    assembled through a mapping that is closed before returning. So the memory in use is this one
+    tensor, whatever the model size (no page of a source file stays mapped)."""
     import torch
 
     from .assemble import check_replicas, torch_tensor
+    from .formats.dtypes import SIZES, to_torch
 
-    zero = os.path.join(staging, ZERO_DIR)
-    os.mkdir(zero)
-    count = nbytes = 0
-    buffers = OrderedDict()
-    steps: List = []
-    shapes = OrderedDict()
-    frozen = OrderedDict()
-    for t in plan.tensors:
-        if t.kind == "buffer":
-            check_replicas(t, files)
-            buffers[t.name] = _own(torch_tensor(t, files))
-            continue
-        folder = os.path.join(zero, t.name)
-        os.mkdir(folder)
-        trained = states.has_states(t)
+    with MappedFiles() as files:
         check_replicas(t, files)
-        fp32 = torch_tensor(t, files)
-        if fp32.dtype != torch.float32:
-            fp32 = fp32.float()
-        nbytes += _save(_param_dict(t, fp32), os.path.join(folder, "fp32.pt"))
-        count += 1
-        del fp32
-        if not trained:
-            frozen[t.name] = torch.Size(t.shape)
-            continue
-        shapes[t.name] = torch.Size(t.shape)
-        for name in states.tensor_names:
-            sp = states.state_plan(t, name)
-            check_replicas(sp, files)  # replicas: every state of every copy, not only the weights
-            nbytes += _save(_param_dict(t, torch_tensor(sp, files)), os.path.join(folder, f"{name}.pt"))
-            count += 1
-        for name in states.scalar_names:
-            value = states.scalar(t, name)
-            try:
-                value = _plain(value, files, f"optimizer {name} of {t.name}")
-            except _NotPlain as e:
-                raise CheckpointError(f"{plan.source}: {e}; not an optimizer state this writer knows") from None
-            if name == "step":
-                steps.append(value)
-            nbytes += _save(value, os.path.join(folder, f"{name}.pt"))
-            count += 1
-    nbytes += _save(_optimizer_state(plan, states, steps, files), os.path.join(zero, "optimizer_state.pt"))
-    count += 1
-    states_file = _model_states(plan, model, shapes, frozen, buffers, files, notes)
-    for name in MODEL_STATES:
-        nbytes += _save(states_file, os.path.join(staging, name))
-        count += 1
-    return {"files": count, "bytes": nbytes}
+        flat = t.flat_pieces()
+        if flat is None or any(p.dtype != t.src_dtype for p in flat):
+            return torch_tensor(t, files).clone()
+    out = torch.empty(t.numel, dtype=to_torch(t.src_dtype))
+    view = memoryview(out.view(torch.uint8).numpy()) if t.numel else memoryview(b"")
+    at = 0
+    for p in flat:
+        n = p.numel * SIZES[p.dtype]
+        fd = os.open(p.path, os.O_RDONLY)
+        try:
+            got = os.preadv(fd, [view[at:at + n]], p.offset) if n else 0
+        finally:
+            os.close(fd)
+        if got != n:
+            raise LayoutError(f"{p.path}: ended {n - got} bytes early (changed while being read?); write again "
+                              "from a checkpoint nobody is writing")
+        at += n
+    return out.view(t.shape)
+
+
+def _write_param(plan, states, t: TensorPlan, zero, out) -> None:
+    import torch
+
+    if t.kind == "buffer":
+        out["buffers"][t.name] = _read(t)
+        return
+    folder = os.path.join(zero, t.name)
+    os.mkdir(folder)
+    trained = states.has_states(t)
+    fp32 = _read(t)
+    if fp32.dtype != torch.float32:
+        fp32 = fp32.float()
+    out["bytes"] += _save(_param_dict(t, fp32), os.path.join(folder, "fp32.pt"))
+    out["files"] += 1
+    del fp32
+    if not trained:
+        out["frozen"][t.name] = torch.Size(t.shape)
+        return
+    out["shapes"][t.name] = torch.Size(t.shape)
+    for name in states.tensor_names:
+        # _read checks the replicas: every state of every copy, not only the weights
+        out["bytes"] += _save(_param_dict(t, _read(states.state_plan(t, name))), os.path.join(folder, f"{name}.pt"))
+        out["files"] += 1
+    for name in states.scalar_names:
+        value = states.scalar(t, name)
+        try:
+            with MappedFiles() as files:
+                value = _plain(value, files, f"optimizer {name} of {t.name}")  # a copy: outlives the mapping
+        except _NotPlain as e:
+            raise CheckpointError(f"{plan.source}: {e}; not an optimizer state this writer knows") from None
+        if name == "step":
+            out["steps"].append(value)
+        out["bytes"] += _save(value, os.path.join(folder, f"{name}.pt"))
+        out["files"] += 1
 
 
 def _optimizer_state(plan, states, steps, files) -> dict:
