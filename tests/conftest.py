@@ -150,6 +150,10 @@ CASES = {
     **{f"ucw-replica-z3-{to}": ("ds_uc_resume.py", n, ["--from", "{case:replica-z3}", "--load", load, "--layout",
                                                         "replica", "--stage", "3"])
        for to, n, load in (("own", 2, "own"), ("to1", 1, "universal"))},
+    # AutoTP (recorded universal_checkpoint_info, a 1001-row lm_head split 501 + 500) onto TP 1; its batches
+    # are those of one data-parallel rank, as for a replica axis.
+    "ucw-autotp-z1-to1": ("ds_uc_resume.py", 1, ["--from", "{case:autotp-z1}", "--load", "universal", "--layout",
+                                                  "replica", "--stage", "1"]),
     # 12 data-parallel ranks onto 2 and 1 (its own layout, 12 processes, is too slow to rerun in CI).
     **{f"ucw-z2-dp12-to{n}": ("ds_uc_resume.py", n, ["--from", "{case:z2-dp12}", "--load", "universal", "--layout",
                                                      "plain", "--stage", "2", "--saved-dp", "12"]) for n in (1, 2)},
