@@ -20,6 +20,7 @@ __all__ = [
     "install_accelerate_hooks",
     "install_colossalai_hooks",
     "lean_state_dict",
+    "write_universal_checkpoint",
     "__version__",
 ]
 
@@ -29,6 +30,7 @@ _LAZY = {
     "install_accelerate_hooks": ".integrations.accelerate",
     "install_colossalai_hooks": ".integrations.colossalai",
     "lean_state_dict": ".lean",
+    "write_universal_checkpoint": ".universal_writer",
 }
 
 

@@ -91,6 +91,13 @@ def verify_checkpoint(dst, against, *, tag: Optional[str] = None, config: Option
                       tp_rules=None, source_options: Optional[Mapping[str, Any]] = None) -> VerifyReport:
     """Compare every tensor of the HF directory ``dst`` with the source ``against``, bitwise. The plan
     is derived afresh (no Hub-layout cache): verify never takes an answer from what export used."""
+    from .sources.registry import find_source
+    from .sources.universal import is_universal_dir
+
+    if is_universal_dir(dst) and find_source(os.fspath(against), tag).NAME == "deepspeed":
+        from .universal_writer import verify_universal  # a universal checkpoint: every state, bitwise
+
+        return verify_universal(dst, against, tag=tag, config=config, tp_rules=tp_rules)
     plan = sources.build_plan(against, tag=tag, config=config, tp_rules=tp_rules, source_options=source_options,
                               layout_cache=False)
     with bad_metadata_as_input(dst):  # a hand-edited index or header of dst is bad input, not a bug

@@ -1,4 +1,4 @@
-"""``hf-ckpt inspect | export | verify`` (also ``python -m hf_ckpt_integrations``).
+"""``hf-ckpt inspect | export | verify | universal`` (also ``python -m hf_ckpt_integrations``).
 
 Each command is ``X_command(args)`` plus ``X_command_parser(subparsers=None)``, so it works
 standalone or as a subcommand and tests can call ``parser.parse_args([...])`` directly.
@@ -20,7 +20,7 @@ import traceback
 
 from .errors import EXIT_BAD_INPUT, EXIT_DIFFERENT, EXIT_INTERNAL, EXIT_OK, CheckpointError, one_line
 
-__all__ = ["main", "build_parser", "inspect_command", "export_command", "verify_command"]
+__all__ = ["main", "build_parser", "inspect_command", "export_command", "verify_command", "universal_command"]
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -241,14 +241,55 @@ def verify_command(args) -> int:
     return EXIT_DIFFERENT
 
 
+def universal_command_parser(subparsers=None):
+    p = _parser(subparsers, "universal", "Write a DeepSpeed universal checkpoint of a ZeRO save, to resume training at "
+                "another tensor/data-parallel size. Load it with \"checkpoint\": {\"load_universal\": true} in the "
+                "DeepSpeed config and engine.load_checkpoint(PARENT, tag=NAME), where DST is PARENT/NAME.")
+    p.add_argument("src", help="DeepSpeed save dir, tag dir, or Trainer checkpoint-N dir (ZeRO-1/2/3)")
+    p.add_argument("dst", help="new directory to write (the tag directory DeepSpeed loads; never inside SRC)")
+    p.add_argument("--tag", help="tag to read (default: the one named by 'latest')")
+    p.add_argument("--config", help="directory holding config.json, whose HF tp plan tells how tensor-parallel "
+                   "slices merge (default: next to the checkpoint)")
+    p.add_argument("--tp-rule", action="append", default=[], metavar="PATTERN=0|1|replicated",
+                   help="how to merge model-parallel slices of parameters matching PATTERN (fnmatch) that "
+                        "neither the checkpoint nor the HF config describes; repeatable")
+    p.add_argument("--dry-run", action="store_true", help="write nothing: print as JSON what would be written, "
+                   "per parameter its full shape, how its model-parallel slices merge (rule and where it came from) "
+                   "and which states")
+    p.add_argument("--quiet", action="store_true", help="no summary")
+    p.set_defaults(func=universal_command)
+    return p
+
+
+def universal_command(args) -> int:
+    from .universal_writer import plan_universal, universal_summary, write_universal_checkpoint
+
+    if args.dry_run:
+        with contextlib.redirect_stdout(sys.stderr):
+            plan, states, _ = plan_universal(args.src, tag=args.tag, config=args.config, tp_rules=args.tp_rule)
+        print(json.dumps({**plan.summary(), "universal": universal_summary(plan, states)}, indent=2))
+        return EXIT_OK
+    with contextlib.redirect_stdout(sys.stderr):  # what importing engines prints never mixes with the summary
+        report = write_universal_checkpoint(args.src, args.dst, tag=args.tag, config=args.config,
+                                            tp_rules=args.tp_rule)
+    for note in report.get("notes", []):
+        print(f"warning: {one_line(note)}", file=sys.stderr)
+    if not args.quiet:
+        print(f"wrote {report['destination']}: {report['parameters']} parameters x {', '.join(report['states'])}, "
+              f"{report['files']} files, {report['bytes']:,} bytes, {report['seconds']} s; resume with "
+              f"{report['load']}")
+    return EXIT_OK
+
+
 def build_parser():
     parser = _ArgumentParser(prog="hf-ckpt", description="Make distributed training checkpoints "
-                             "loadable with from_pretrained: inspect, export, verify.")
+                             "loadable with from_pretrained: inspect, export, verify; resumable at another layout: universal.")
     parser.add_argument("--debug", action="store_true", help="on an internal error (exit 3), print the traceback too")
     sub = parser.add_subparsers(dest="command", required=True)
     inspect_command_parser(sub)
     export_command_parser(sub)
     verify_command_parser(sub)
+    universal_command_parser(sub)
     return parser
 
 

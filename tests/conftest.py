@@ -12,6 +12,7 @@ import hashlib
 import importlib.metadata as md
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -168,7 +169,26 @@ CASES = {
     # DeepSpeed's two rank orders of expert groups (the default E + D, and D + E).
     "moe-z2-ep2": ("ds_moe_train.py", 4, ["--stage", "2", "--dtype", "bf16"]),
     "moe-z1-ep2-dxe": ("ds_moe_train.py", 4, ["--stage", "1", "--data-before-expert"]),
+
+    # hf-ckpt universal, resumed under DeepSpeed's load_universal at another layout ("-to1": 1 rank...)
+    # beside the same save resumed at its own layout ("-own"); "{case:X}" is case X's directory.
+    **{f"ucw-{src}-{to}": ("ds_uc_resume.py", n, ["--from", f"{{case:{src}}}", "--load", load, *extra])
+       for src, extra in (("replica-z2", ["--layout", "replica", "--stage", "2"]),
+                          ("tp-z1", ["--layout", "tp", "--stage", "1", "--vocab", "1002",
+                                     "--tp-rule", "model.embed_tokens.weight=0"]))
+       for to, n, load in (("own", 2, "own"), ("to1", 1, "universal"))},
+    **{f"ucw-replica-z3-{to}": ("ds_uc_resume.py", n, ["--from", "{case:replica-z3}", "--load", load, "--layout",
+                                                        "replica", "--stage", "3"])
+       for to, n, load in (("own", 2, "own"), ("to1", 1, "universal"))},
+    # AutoTP (recorded universal_checkpoint_info, a 1001-row lm_head split 501 + 500) onto TP 1; its batches
+    # are those of one data-parallel rank, as for a replica axis.
+    "ucw-autotp-z1-to1": ("ds_uc_resume.py", 1, ["--from", "{case:autotp-z1}", "--load", "universal", "--layout",
+                                                  "replica", "--stage", "1"]),
+    # 12 data-parallel ranks onto 2 and 1 (its own layout, 12 processes, is too slow to rerun in CI).
+    **{f"ucw-z2-dp12-to{n}": ("ds_uc_resume.py", n, ["--from", "{case:z2-dp12}", "--load", "universal", "--layout",
+                                                     "plain", "--stage", "2", "--saved-dp", "12"]) for n in (1, 2)},
 }
+CASE_REF = re.compile(r"^\{case:([\w.-]+)\}$")  # an argument naming another case's directory
 
 
 def _cache_key(script: str) -> str:
@@ -188,6 +208,9 @@ def _cache_key(script: str) -> str:
             paths.append(ENGINES / f"{shared}.py")
     if any(CASES[name][0] == script for name in ACCELERATE):
         paths += sorted(ACCELERATE_CONFIGS.iterdir())
+    for refs in sorted({m.group(1) for s, _, a in CASES.values() if s == script for x in a
+                        for m in [CASE_REF.match(str(x))] if m}):
+        h.update(_cache_key(CASES[refs][0]).encode())  # a case built from another case's output
     if "hf_ckpt_integrations" in (ENGINES / script).read_text():
         # The run itself calls the package (save-time hooks): its code is part of the result.
         paths += sorted((REPO / "hf_ckpt_integrations").rglob("*.py"))
@@ -240,6 +263,7 @@ _FAILED = {}  # name -> error: a case that failed is not run again in the same s
 
 def build_case(name: str) -> Path:
     script, nproc, args = CASES[name]
+    args = [str(build_case(m.group(1))) if m else a for a in args for m in [CASE_REF.match(str(a))]]
     out = cache_root() / _cache_key(script) / name  # cases of one script share a parent (see cb-z3-resume)
     refuse_engine_launch(f"engine case {name}")  # even a cached one: the fast suite needs no engine run
     if (out / "DONE").exists():

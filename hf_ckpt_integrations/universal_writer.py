@@ -1,0 +1,403 @@
+"""A DeepSpeed universal checkpoint from a DeepSpeed ZeRO save: resume at another TP/DP size.
+
+What DeepSpeed's loader (``"checkpoint": {"load_universal": true}``, 0.19) reads from the tag
+directory, and so what is written:
+
+- ``zero/<parameter name>/fp32.pt`` and one file per optimizer state (``exp_avg.pt``,
+  ``exp_avg_sq.pt``, whatever else the optimizer holds per element): ``{"param": full tensor,
+  "cat_dim": d}`` (plus ``"vocab_tensor": True`` for a vocabulary whose padding was dropped). The
+  full tensor is merged from the data-parallel partitions and model-parallel slices by the same
+  plan as the HF export (:mod:`.sources.deepspeed`: partitions placed by rank number and proven
+  against the module weights; TP slices by recorded info -> HF tp plan -> ``--tp-rule`` ->
+  shapes -> bytes; replicas written once after every copy of every state is found equal). The
+  loader copies a tensor whose shape is its new local one, else cuts it along ``cat_dim``.
+- ``zero/<name>/step.pt``: the optimizer's per-group step, as stored (ZeRO-1/2 read it here).
+- ``zero/optimizer_state.pt``: ``param_groups`` (hyperparameters), ``ds_version``, ``clip_grad``,
+  the loss-scaler flags, and ``optimizer_state_dict`` (``state[0].step`` + ``param_groups``, what
+  ZeRO-3 reads) — one file any stage loads.
+- ``mp_rank_00_model_states.pt`` and ``zero_pp_rank_0_mp_rank_00_model_states.pt`` (the name a
+  ZeRO-3 engine looks for): the step counters, the lr scheduler state, ``dp_world_size``,
+  ``mp_world_size`` 1 (one file: every target rank reads it), the buffers, the parameters' full
+  shapes, and ``universal_checkpoint_info`` saying how each parameter was merged.
+
+Frozen parameters get ``fp32.pt`` only (as ``ds_to_universal`` writes them). The loss scaler
+object itself is not carried (the source file pickles a DeepSpeed class; its flags are): an fp16
+run's dynamic loss scale restarts from the configured initial scale.
+
+Reading stays metadata plus byte ranges (the restricted unpickler; never ``torch.load`` of a source
+file); writing uses ``torch.save`` (DeepSpeed loads these with ``torch.load``). One parameter's
+states are in memory at a time. The directory is staged and made visible last through
+:func:`~.writer.export_strategy` (the destination guard every output goes through): never inside
+the source, nothing left behind on failure. Load it with
+``engine.load_checkpoint(os.path.dirname(dst), tag=os.path.basename(dst))``; no
+``latest_universal`` file is written (it would live outside ``dst``).
+"""
+
+import os
+import re
+import time
+from collections import OrderedDict
+from typing import Dict, List, Optional, Sequence
+
+from .errors import CheckpointError, LayoutError, short_repr
+from .formats.torch_files import TensorRef
+from .mapped_files import MappedFiles
+from .outfiles import open_new
+from .plan import ExportPlan, TensorPlan, check_plan
+
+__all__ = ["plan_universal", "write_universal_checkpoint", "verify_universal", "universal_summary", "UC_VERSION"]
+
+# deepspeed/checkpoint/constants.py UNIVERSAL_CHECKPOINT_VERSION_VALUE (0.19.8); shapes and cat_dim only,
+# which every version reads.
+UC_VERSION = 0.4
+ZERO_DIR = "zero"
+MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+# What the source's optimizer file holds besides the partitions that a loader reads (plain values).
+_GLOBAL_FIELDS = ("ds_version", "clip_grad", "dynamic_loss_scale", "overflow", "zero_stage")
+_MODEL_FIELDS = ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "dp_world_size", "ds_config",
+                 "ds_version", "data_sampler", "random_ltd")
+
+
+def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = None,
+                   tp_rules: Optional[Sequence[str]] = None):
+    """``(plan, states, model_fields)``: the DeepSpeed source's plan of the fp32 masters (in-memory
+    parameter names; no Hub-layout pass, no dtype change), the :class:`OptimizerStates` beside them
+    and the first model-states file's fields. Refuses what is not a DeepSpeed ZeRO save, and what
+    the export refuses (a TP-split tensor with no rule, replicas that disagree)."""
+    from .sources import deepspeed as ds
+    from .sources.deepspeed.allowlist import load
+    from .sources.deepspeed.optim_states import OptimizerStates
+    from .sources.deepspeed.rank_files import find_rank_files, resolve_tag_dir
+    from .sources.passes import find_config_dir
+    from .sources.protocol import PlanContext
+    from .sources.registry import find_source
+
+    src = os.path.abspath(os.fspath(src))
+    source = find_source(src, tag)
+    if source is not ds:
+        raise CheckpointError(f"{src}: a {source.NAME} checkpoint; a universal checkpoint is written from a "
+                              "DeepSpeed ZeRO save (engine.save_checkpoint output) only")
+    if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
+        raise CheckpointError(f"{config}: no config.json there; pass --config a directory holding the model's "
+                              "config.json")
+    config_dir = config if config is not None else find_config_dir(ds.config_candidates(src, tag))
+    ctx = PlanContext(src, tag=tag, options={"tp_rules": list(tp_rules or [])}, config_dir=config_dir)
+    plan = ds.plan(ctx)
+    plan.config_dir = config_dir
+    check_plan(plan)
+    tag_dir, _ = resolve_tag_dir(src, tag)
+    for t in plan.tensors:
+        _check_name(t.name, tag_dir)
+    states = OptimizerStates(tag_dir)
+    _, models = find_rank_files(tag_dir)
+    first = models[0].get(None) or models[0].get(0)
+    return plan, states, load(first)
+
+
+_SAFE_NAME = re.compile(r"^[^/\\\x00]{1,255}$")
+
+
+def _check_name(name: str, where: str) -> None:
+    # Parameter names become directory names (DeepSpeed's layout): one path component each.
+    if not isinstance(name, str) or not _SAFE_NAME.match(name) or name in (".", "..") or \
+            any(ord(c) < 32 for c in name):
+        raise LayoutError(f"{where}: parameter name {short_repr(name)} cannot be a directory name of a universal "
+                          "checkpoint; the checkpoint is corrupt or crafted: copy it again")
+
+
+def _rules(plan: ExportPlan):
+    """How each parameter was merged, as DeepSpeed's ``universal_checkpoint_info`` records it."""
+    info = {"universal_checkpoint_version": UC_VERSION, "tp_replicated_parameter_patterns": [],
+            "parameter_with_row_parallelism_patterns": [], "vocabulary_parameter_patterns": []}
+    for t in plan.tensors:
+        pattern = "^" + re.escape(t.name) + "$"
+        if len(t.parts) == 1:
+            if t.replicas:
+                info["tp_replicated_parameter_patterns"].append(pattern)
+            continue
+        if t.cat_dim == 1:
+            info["parameter_with_row_parallelism_patterns"].append(pattern)
+        if t.keep_rows is not None:
+            info["vocabulary_parameter_patterns"].append(pattern)
+            info["original_vocab_size"] = t.keep_rows
+    return info
+
+
+def universal_summary(plan: ExportPlan, states) -> dict:
+    """What ``universal`` will write (``inspect`` shows it): per parameter its full shape, how its
+    model-parallel slices merge, and the states written."""
+    params = []
+    for t in plan.tensors:
+        trained = states.has_states(t)
+        params.append({"name": t.name, "shape": list(t.shape), "kind": t.kind,
+                       "merge": "replicas: one copy, the others checked" if t.replicas else
+                       (f"cat dim {t.cat_dim}" if len(t.parts) > 1 else "one copy"), "rule": t.rule,
+                       "vocab_rows_kept": t.keep_rows,
+                       "states": (["fp32"] + states.tensor_names + states.scalar_names) if trained else
+                       (["fp32"] if t.kind != "buffer" else [])})
+    return {"optimizer_states": states.tensor_names + states.scalar_names, "parameters": params}
+
+
+def _plain(value, files, what):
+    """``value`` (read by the restricted unpickler) as plain Python/torch objects for torch.save:
+    containers, numbers, strings; a tensor read as bytes. CheckpointError for anything else."""
+    import torch
+
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, TensorRef):
+        from .formats.dtypes import to_torch
+
+        raw = bytes(files.read(value.path, *value.byte_range()))
+        return torch.frombuffer(bytearray(raw), dtype=to_torch(value.dtype)).reshape(value.shape) if raw else \
+            torch.empty(value.shape, dtype=to_torch(value.dtype))
+    if isinstance(value, (list, tuple)):
+        out = [_plain(v, files, what) for v in value]
+        return tuple(out) if isinstance(value, tuple) else out
+    if isinstance(value, dict):
+        out = OrderedDict() if isinstance(value, OrderedDict) else {}
+        for k, v in value.items():
+            out[_plain(k, files, what)] = _plain(v, files, what)
+        return out
+    raise _NotPlain(f"{what} holds a {type(value).__name__}")
+
+
+class _NotPlain(Exception):
+    pass
+
+
+def _save(obj, path) -> int:
+    import torch
+
+    with open_new(path) as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+        return fh.tell()
+
+
+def _own(tensor):
+    """``tensor`` holding its own bytes only (torch.save writes a view's whole storage)."""
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() or tensor.storage_offset():
+        return tensor.clone()
+    return tensor
+
+
+def write_universal_checkpoint(src, dst, *, tag: Optional[str] = None, config: Optional[str] = None,
+                               tp_rules: Optional[Sequence[str]] = None) -> dict:
+    """Write the DeepSpeed universal checkpoint of the ZeRO save ``src`` (a save dir, tag dir or
+    Trainer ``checkpoint-N``) into the new directory ``dst`` (see the module doc for the layout).
+
+    ``tp_rules``: ``["PATTERN=0|1|replicated", ...]`` for model-parallel parameters that neither the
+    checkpoint nor the HF config (``config``, default next to the checkpoint) describes. Resume with
+    ``"checkpoint": {"load_universal": true}`` in the DeepSpeed config and
+    ``engine.load_checkpoint(os.path.dirname(dst), tag=os.path.basename(dst))``, at any data- or
+    tensor-parallel size. Returns a report (``destination``, ``parameters``, ``states``, ``files``,
+    ``bytes``, ``seconds``, ``notes``). Raises a :class:`~.errors.CheckpointError` subclass for every
+    refusal; nothing is written then.
+    """
+    from .writer import export_strategy
+
+    start = time.monotonic()
+    plan, states, model = plan_universal(src, tag=tag, config=config, tp_rules=tp_rules)
+    notes = list(plan.notes)
+    strategy = export_strategy(dst, plan)
+    staging = strategy.begin()
+    written = {"files": 0, "bytes": 0}
+    try:
+        written = _write(plan, states, model, staging, notes)
+        strategy.commit()
+    except BaseException:
+        strategy.abort()
+        raise
+    return {"destination": strategy.dst, "parameters": sum(1 for t in plan.tensors if t.kind != "buffer"),
+            "states": ["fp32"] + states.tensor_names + states.scalar_names, **written,
+            "seconds": round(time.monotonic() - start, 3), "notes": notes,
+            "load": f"engine.load_checkpoint({os.path.dirname(strategy.dst)!r}, "
+                    f"tag={os.path.basename(strategy.dst)!r}) with \"checkpoint\": {{\"load_universal\": true}}"}
+
+
+def _param_dict(t: TensorPlan, tensor) -> dict:
+    out = {"param": _own(tensor), "cat_dim": t.cat_dim if len(t.parts) > 1 and t.cat_dim is not None else 0}
+    if t.keep_rows is not None:
+        out["vocab_tensor"] = True  # padding dropped: the loader pads again for its TP size
+    return out
+
+
+def _write(plan: ExportPlan, states, model, staging, notes) -> Dict[str, int]:
+    zero = os.path.join(staging, ZERO_DIR)
+    os.mkdir(zero)
+    out = {"files": 0, "bytes": 0, "buffers": OrderedDict(), "steps": [], "shapes": OrderedDict(),
+           "frozen": OrderedDict()}
+    for t in plan.tensors:
+        _write_param(plan, states, t, zero, out)
+    with MappedFiles() as files:
+        nbytes = _save(_optimizer_state(plan, states, out["steps"], files), os.path.join(zero, "optimizer_state.pt"))
+        states_file = _model_states(plan, model, out["shapes"], out["frozen"], out["buffers"], files, notes)
+    for name in MODEL_STATES:
+        nbytes += _save(states_file, os.path.join(staging, name))
+    return {"files": out["files"] + 1 + len(MODEL_STATES), "bytes": out["bytes"] + nbytes}
+
+
+def _read(t: TensorPlan):
+    """The tensor ``t`` describes, its replicas checked first, in memory of its own: a plain tensor
+    (its pieces laid end to end) is read with ``pread`` straight into one buffer; anything else is
+    assembled through a mapping that is closed before returning. So the memory in use is this one
+    tensor, whatever the model size (no page of a source file stays mapped)."""
+    import torch
+
+    from .assemble import check_replicas, torch_tensor
+    from .formats.dtypes import SIZES, to_torch
+
+    with MappedFiles() as files:
+        check_replicas(t, files)
+        flat = t.flat_pieces()
+        if flat is None or any(p.dtype != t.src_dtype for p in flat):
+            return torch_tensor(t, files).clone()
+    out = torch.empty(t.numel, dtype=to_torch(t.src_dtype))
+    view = memoryview(out.view(torch.uint8).numpy()) if t.numel else memoryview(b"")
+    at = 0
+    for p in flat:
+        n = p.numel * SIZES[p.dtype]
+        fd = os.open(p.path, os.O_RDONLY)
+        try:
+            got = os.preadv(fd, [view[at:at + n]], p.offset) if n else 0
+        finally:
+            os.close(fd)
+        if got != n:
+            raise LayoutError(f"{p.path}: ended {n - got} bytes early (changed while being read?); write again "
+                              "from a checkpoint nobody is writing")
+        at += n
+    return out.view(t.shape)
+
+
+def _write_param(plan, states, t: TensorPlan, zero, out) -> None:
+    import torch
+
+    if t.kind == "buffer":
+        out["buffers"][t.name] = _read(t)
+        return
+    folder = os.path.join(zero, t.name)
+    os.mkdir(folder)
+    trained = states.has_states(t)
+    fp32 = _read(t)
+    if fp32.dtype != torch.float32:
+        fp32 = fp32.float()
+    out["bytes"] += _save(_param_dict(t, fp32), os.path.join(folder, "fp32.pt"))
+    out["files"] += 1
+    del fp32
+    if not trained:
+        out["frozen"][t.name] = torch.Size(t.shape)
+        return
+    out["shapes"][t.name] = torch.Size(t.shape)
+    for name in states.tensor_names:
+        # _read checks the replicas: every state of every copy, not only the weights
+        out["bytes"] += _save(_param_dict(t, _read(states.state_plan(t, name))), os.path.join(folder, f"{name}.pt"))
+        out["files"] += 1
+    for name in states.scalar_names:
+        value = states.scalar(t, name)
+        try:
+            with MappedFiles() as files:
+                value = _plain(value, files, f"optimizer {name} of {t.name}")  # a copy: outlives the mapping
+        except _NotPlain as e:
+            raise CheckpointError(f"{plan.source}: {e}; not an optimizer state this writer knows") from None
+        if name == "step":
+            out["steps"].append(value)
+        out["bytes"] += _save(value, os.path.join(folder, f"{name}.pt"))
+        out["files"] += 1
+
+
+def _optimizer_state(plan, states, steps, files) -> dict:
+    fields = states.fields
+    try:
+        groups = _plain(states.param_groups, files, "param_groups")
+    except _NotPlain as e:
+        raise CheckpointError(f"{plan.source}: the optimizer's {e}; not an optimizer this writer knows") from None
+    out = {k: _plain(fields[k], files, k) for k in _GLOBAL_FIELDS if k in fields and _is_plain(fields[k])}
+    if "ds_version" not in out and plan.engine_version:  # ZeRO-3 files record it in the model states only;
+        out["ds_version"] = plan.engine_version          # a ZeRO-1/2 loader requires it
+    out["param_groups"] = groups
+    step = steps[0] if steps else None
+    # ZeRO-3's loader takes the step from here (state 0), ZeRO-1/2's from each zero/<name>/step.pt.
+    out["optimizer_state_dict"] = {"state": {0: {"step": step}} if step is not None else {},
+                                   "param_groups": groups}
+    return out
+
+
+def _is_plain(value) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _model_states(plan, model, shapes, frozen, buffers, files, notes) -> dict:
+    out = {}
+    for k in _MODEL_FIELDS:
+        if k not in model:
+            continue
+        try:
+            out[k] = _plain(model[k], files, k)
+        except _NotPlain as e:
+            notes.append(f"{k} not carried into the universal checkpoint ({e}): the resumed run starts it afresh")
+    out.update({"module": buffers, "buffer_names": list(buffers), "param_shapes": [shapes],
+                "frozen_param_shapes": frozen, "shared_params": dict(plan.aliases), "mp_world_size": 1,
+                "optimizer": None, "universal_checkpoint_info": _rules(plan)})
+    return out
+
+
+def verify_universal(dst, against, *, tag: Optional[str] = None, config: Optional[str] = None,
+                     tp_rules: Optional[Sequence[str]] = None):
+    """Compare the universal checkpoint ``dst`` with the DeepSpeed save ``against``, state by state:
+    every ``zero/<param>/<state>.pt`` tensor bitwise the source's state merged afresh by the plan,
+    every ``step.pt`` the stored step, no parameter or state missing or extra. ``dst``'s files are
+    read by the same restricted unpickler as any source (never ``torch.load``). Returns a
+    :class:`~.verify.VerifyReport` (``checked`` counts state files)."""
+    from .assemble import torch_tensor
+    from .sources.deepspeed.allowlist import load
+    from .verify import VerifyReport
+
+    dst = os.path.abspath(os.fspath(dst))
+    plan, states, _ = plan_universal(against, tag=tag, config=config, tp_rules=tp_rules)
+    report = VerifyReport()
+    zero = os.path.join(dst, ZERO_DIR)
+    if not os.path.isdir(zero):
+        raise CheckpointError(f"{dst}: no zero/ directory; not a universal checkpoint")
+    expected = {t.name for t in plan.tensors if t.kind != "buffer"}
+    present = {n for n in os.listdir(zero) if os.path.isdir(os.path.join(zero, n))}
+    report.differences += [f"{n}: missing from {zero}" for n in sorted(expected - present)]
+    report.differences += [f"{n}: in {zero} but not a parameter of the source" for n in sorted(present - expected)]
+
+    def stored(path):
+        if not os.path.isfile(path):
+            return None
+        obj = load(path)
+        return obj.get("param") if isinstance(obj, dict) else obj
+
+    with MappedFiles() as files:
+        for t in plan.tensors:
+            if t.kind == "buffer" or t.name not in present:
+                continue
+            folder = os.path.join(zero, t.name)
+            trained = states.has_states(t)
+            wanted = [("fp32", t)] + ([(n, states.state_plan(t, n)) for n in states.tensor_names] if trained else [])
+            names = {n[:-3] for n in os.listdir(folder) if n.endswith(".pt")}
+            want_names = {n for n, _ in wanted} | (set(states.scalar_names) if trained else set())
+            for extra in sorted(names - want_names):
+                report.differences.append(f"{t.name}/{extra}.pt: not a state the source holds")
+            for name, tp in wanted:
+                report.checked += 1
+                ref = stored(os.path.join(folder, f"{name}.pt"))
+                want = torch_tensor(tp, files)
+                if name == "fp32":
+                    want = want.float()
+                if not isinstance(ref, TensorRef) or ref.shape != tuple(want.shape) or ref.dtype != "F32" or \
+                        bytes(files.read(ref.path, *ref.byte_range())) != want.contiguous().view(-1).numpy().tobytes():
+                    report.differences.append(f"{t.name}/{name}.pt: differs from the source's {name}")
+            for name in states.scalar_names if trained else ():
+                report.checked += 1
+                got, want = stored(os.path.join(folder, f"{name}.pt")), states.scalar(t, name)
+                same = (isinstance(got, TensorRef) and isinstance(want, TensorRef) and got.shape == want.shape and
+                        bytes(files.read(got.path, *got.byte_range())) == bytes(files.read(want.path, *want.byte_range()))
+                        ) or (not isinstance(want, TensorRef) and got == want)
+                if not same:
+                    report.differences.append(f"{t.name}/{name}.pt: differs from the source's {name}")
+    return report
+
