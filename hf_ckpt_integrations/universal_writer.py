@@ -37,7 +37,7 @@ import os
 import re
 import time
 from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 from .errors import CheckpointError, LayoutError, short_repr
 from .formats.torch_files import TensorRef
