@@ -29,9 +29,11 @@ from .fields import check_model_types, meta_int, require, tensor_pieces
 from .moe import find_expert_files
 from .rank_files import RankFile, find_rank_files, holds_checkpoint, is_tag_dir, list_tags, resolve_tag_dir
 from .tp_merge import merge_model_parallel
+from . import zero12
+from .fields import recorded_shape
 from .zero12 import plan_zero12, plan_zero12_frozen
 from .zero3 import plan_zero3, plan_zero3_frozen
-from . import stage0
+from . import autoep, stage0
 from .bf16_optimizer import plan_bf16_optimizer
 from .recorded import describe, recorded_dp, recorded_stage, write_aliases
 
@@ -107,7 +109,9 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
     # BF16_Optimizer (.bf16_optimizer) and no ZeRO at all (.stage0, no optimizer files) do not.
     optimizer = "ZeRO" if ranks and "zero_stage" in ranks[0].osd else "BF16_Optimizer" if ranks else None
     stage = meta_int(ranks[0].osd["zero_stage"], ranks[0].path, "zero_stage") if optimizer == "ZeRO" else 0
-    experts = find_expert_files(tag_dir, os.listdir(tag_dir), mp_rank)  # MoE: expert groups count fewer ranks
+    listing = os.listdir(tag_dir)
+    # MoE (deepspeed.moe or AutoEP): expert groups count fewer ranks
+    experts = autoep.find_autoep_files(tag_dir, listing, mp_rank) or find_expert_files(tag_dir, listing, mp_rank)
     if experts and (stage == 3 or optimizer != "ZeRO"):
         raise LayoutError(f"{experts.files[0]}: a DeepSpeed MoE save under "
                           f"{'ZeRO-3' if stage == 3 else optimizer or 'no ZeRO'}; hf-ckpt reads MoE expert "
@@ -163,6 +167,11 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
     elif stage == 3:
         plan_zero3(ranks, param_groups, model_path, tensors)
         plan_zero3_frozen(model_files, dp, tensors)
+    elif isinstance(experts, autoep.AutoEPExperts):
+        autoep_router = autoep.plan_autoep(ranks, param_groups, model_path, tensors, module, model, experts, notes,
+                                           plan_group=zero12.plan_group, partition_count=zero12._partition_count,
+                                           module_copy=zero12.module_copy, shape_of=recorded_shape)
+        plan_zero12_frozen(model, model_path, tensors)
     else:
         plan_zero12(ranks, param_groups, model_path, tensors, module, notes=notes, experts=experts)
         plan_zero12_frozen(model, model_path, tensors)
@@ -191,6 +200,8 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
     # Parameters the module records (ZeRO-3: empty placeholders) with no weights anywhere in the save.
     params = [n for n, r in module.items() if isinstance(r, TensorRef) and n not in buffer_names]
     missing = [n for n in params if n not in tensors and n not in shared]
+    if isinstance(experts, autoep.AutoEPExperts) and ranks and stage in (1, 2):
+        autoep.finish_autoep(tensors, module, experts, autoep_router, model_path)  # the model's router names
 
     # Output order = the model's state_dict order (as save_pretrained writes it), then the rest.
     ordered = [tensors.pop(n) for n in list(module) if n in tensors]
