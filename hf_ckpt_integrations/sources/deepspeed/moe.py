@@ -34,7 +34,7 @@ __all__ = ["EXPERT_FILE_RE", "EXPERT_NAME_RE", "AUTOEP_NAME_RE", "Experts", "fin
 EXPERT_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 # prefix (through "deepspeed_experts."), expert id, the rest of the name
 EXPERT_NAME_RE = re.compile(r"^(.*\.?deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(\..+)$")
-# AutoEP (0.19.2+) writes the same file names, holding "{module}.experts.w1.{global id}" & co.
+# AutoEP (0.19.2+) writes the same file names, holding "{module}.experts.w1.{global id}" & co. (.autoep)
 AUTOEP_NAME_RE = re.compile(r"^(.*\.)?experts\.w[123]\.\d+$")
 
 
@@ -97,8 +97,10 @@ def find_expert_files(tag_dir: str, names: List[str], mp_rank: int) -> Experts:
                 raise LayoutError(f"{path}: not a DeepSpeed expert file (no expert weights); the file is corrupt")
             for key, ref in state.items():
                 if isinstance(key, str) and AUTOEP_NAME_RE.match(key):
-                    raise LayoutError(f"{path}: a DeepSpeed AutoEP expert file ({key!r}: fused experts.w1/w2/w3 "
-                                      "sliced per expert); hf-ckpt does not read AutoEP saves yet")
+                    # (AutoEP saves are read by .autoep; here one sits among deepspeed.moe expert files)
+                    raise LayoutError(f"{path}: a DeepSpeed AutoEP expert file ({key!r}) among deepspeed.moe "
+                                      "expert files; files from different saves are mixed: copy one save's tag "
+                                      "directory again")
                 m = EXPERT_NAME_RE.match(key) if isinstance(key, str) else None
                 if m is None or int(m.group(2)) != expert or not isinstance(ref, TensorRef):
                     raise LayoutError(f"{path}: holds {key!r}, not a weight of expert {expert}; the file was "
