@@ -93,7 +93,13 @@ def find_autoep_files(tag_dir: str, names: List[str], mp_rank: int) -> Optional[
 
 def _layers(model, model_path):
     layers = model.get("ds_autoep_layers")
-    preset = ((model.get("ds_config") or {}).get("expert_parallel") or {}).get("preset_model")
+    ep_config = (model.get("ds_config") or {}).get("expert_parallel") or {}
+    preset = ep_config.get("preset_model")
+    if ep_config.get("expert_tensor_parallel_size", 1) != 1:
+        # AutoTP folding splits each expert over tensor-parallel ranks too: another layout, never run here
+        raise LayoutError(f"{model_path}: a DeepSpeed AutoEP save with expert_tensor_parallel_size "
+                          f"{ep_config.get('expert_tensor_parallel_size')!r} (AutoTP folding); hf-ckpt reads AutoEP "
+                          "saves without expert tensor parallelism only")
     if not isinstance(layers, list) or not layers:
         raise LayoutError(f"{model_path}: the tag holds AutoEP expert files (experts.w1/w2/w3 per expert) but the "
                           "model-states file records no ds_autoep_layers; files from different saves are mixed: "
