@@ -81,3 +81,15 @@ def test_autoep_experts_not_matching_their_files_refused(engine_ckpt, tmp_path):
     torch.save({k: v + 1 for k, v in state.items()}, path)  # the weights of another training
     export_refused(src, tmp_path / "hf", "--config", str(engine_ckpt("autoep-z2") / "reference" / "hf"),
                    match="in no rank order DeepSpeed builds")
+
+
+@pytest.mark.engine
+def test_autoep_router_copy_differing_from_the_router_refused(engine_ckpt, tmp_path):
+    src = tmp_path / "ckpt"
+    shutil.copytree(engine_ckpt("autoep-z1") / "ckpt", src)
+    path = src / "global_step2" / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=False)
+    state["module"]["model.layers.1.mlp.gate.gate.weight"] += 1  # not the router it copies
+    torch.save(state, path)
+    export_refused(src, tmp_path / "hf", "--config", str(engine_ckpt("autoep-z1") / "reference" / "hf"),
+                   match="differs from the router")
