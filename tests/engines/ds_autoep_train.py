@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 NUM_EXPERTS = 2
+EP_SIZE = 2
 
 
 def config():
@@ -72,7 +73,7 @@ def main():
         "zero_optimization": {"stage": args.stage},
         "steps_per_print": 10**9,
         # the sequential expert loop: no grouped GEMM needed on CPU
-        "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral", "use_grouped_mm": False},
+        "expert_parallel": {"enabled": True, "autoep_size": EP_SIZE, "preset_model": "mixtral", "use_grouped_mm": False},
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     for step in range(args.steps):
@@ -82,11 +83,10 @@ def main():
     engine.save_checkpoint(str(args.out / "ckpt"), tag=f"global_step{args.steps}")
 
     masters = {}
-    ep_rank = None
+    ep_rank = groups._get_expert_parallel_rank(f"ep_size_{EP_SIZE}")  # AutoEP's expert group name
     for n, q in engine.module.named_parameters():
         full = safe_get_full_fp32_param(q).detach().cpu().clone()
-        if ".experts.w" in n:
-            ep_rank = groups._get_expert_parallel_rank(f"ep_size_{2}")
+        if ".experts.w" in n:  # this rank's local experts, global ids ep_rank * local + i
             local = full.shape[0]
             for i in range(local):
                 masters[f"{n}.{ep_rank * local + i}"] = full[i].contiguous()
@@ -116,10 +116,9 @@ def main():
             sd[pre + "gate_up_proj"] = torch.stack(
                 [torch.cat([full[f"{pre}w1.{e}"], full[f"{pre}w3.{e}"]]) for e in range(NUM_EXPERTS)])
             sd[pre + "down_proj"] = torch.stack([full[f"{pre}w2.{e}"] for e in range(NUM_EXPERTS)])
-        missing, unexpected = hf.load_state_dict(sd, strict=False)
-        assert not unexpected and set(missing) <= {"lm_head.weight"} - set(sd), (missing, unexpected)
+        hf.load_state_dict(sd, strict=True)  # every weight of the HF model, from the engine's masters
         hf.save_pretrained(str(ref / "hf"))
-        common.write_json(ref / "run.json", {"stage": args.stage, "world_size": world, "ep_size": 2,
+        common.write_json(ref / "run.json", {"stage": args.stage, "world_size": world, "ep_size": EP_SIZE,
                                             "num_experts": NUM_EXPERTS})
     common.finish()
 
