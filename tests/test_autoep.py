@@ -54,7 +54,7 @@ def test_autoep_files_told_from_deepspeed_moe_files(tmp_path):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("name", ["autoep-z1", "autoep-z2"])
+@pytest.mark.parametrize("name", ["autoep-z1", "autoep-z2-bf16"])
 def test_autoep_export_is_save_pretrained_of_the_engine_masters(name, engine_ckpt, tmp_path):
     from transformers import MixtralForCausalLM
 
@@ -70,16 +70,26 @@ def test_autoep_export_is_save_pretrained_of_the_engine_masters(name, engine_ckp
     assert verify_checkpoint(tmp_path / "hf", against=case / "ckpt", config=str(ref_dir)).ok
     notes = inspect_checkpoint(case / "ckpt")["notes"]
     assert any(n.startswith("AutoEP") and "DeepSpeed's default E + D" in n for n in notes)
+    if name.endswith("bf16"):  # the training dtype: each expert as the engine's own expert file holds it
+        export_checkpoint(case / "ckpt", tmp_path / "hf16", config=str(ref_dir), dtype="bf16")
+        out16 = load_safetensors(tmp_path / "hf16" / "model.safetensors")
+        held = {}
+        for path in sorted((case / "ckpt" / "global_step2").glob("layer_*_expert_*_model_states.pt")):
+            for key, t in torch.load(path, weights_only=True).items():  # model.layers.L.mlp.experts.wK.E
+                layer, w, e = key.split(".")[2], key.split(".")[-2], key.split(".")[-1]
+                held[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"] = t
+        assert len(held) == 12 and all(t.dtype == torch.bfloat16 for t in held.values())
+        assert [n for n in held if not torch.equal(out16[n], held[n])] == []
 
 
 @pytest.mark.engine
 def test_autoep_experts_not_matching_their_files_refused(engine_ckpt, tmp_path):
     src = tmp_path / "ckpt"
-    shutil.copytree(engine_ckpt("autoep-z2") / "ckpt", src)
+    shutil.copytree(engine_ckpt("autoep-z2-bf16") / "ckpt", src)
     path = src / "global_step2" / "layer_1_expert_1_mp_rank_00_model_states.pt"
     state = torch.load(path, weights_only=True)
     torch.save({k: v + 1 for k, v in state.items()}, path)  # the weights of another training
-    export_refused(src, tmp_path / "hf", "--config", str(engine_ckpt("autoep-z2") / "reference" / "hf"),
+    export_refused(src, tmp_path / "hf", "--config", str(engine_ckpt("autoep-z2-bf16") / "reference" / "hf"),
                    match="in no rank order DeepSpeed builds")
 
 

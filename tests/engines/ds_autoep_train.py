@@ -3,7 +3,7 @@
 Two MoE layers of 2 experts over ``autoep_size`` 2 on 2 ranks (one local expert per rank). AutoEP
 swaps each ``mlp`` for an ``AutoEPMoELayer`` holding TorchTitan-style fused ``experts.w1/w2/w3``
 (``[local, ffn, hidden]`` gate, ``[local, hidden, ffn]`` down, ``[local, ffn, hidden]`` up) and a
-``router.gate``. Launched as ``torchrun --nproc_per_node 2 ds_autoep_train.py OUT --stage S``.
+``router.gate``. Launched as ``torchrun --nproc_per_node 2 ds_autoep_train.py OUT --stage S [--dtype fp32|bf16]``.
 Writes ``OUT/ckpt/`` (``engine.save_checkpoint``: ``layer_L_expert_E_mp_rank_00_model_states.pt``
 holding ``...experts.wK.{E}`` per global expert ``E``) and in ``OUT/reference/``:
 
@@ -54,6 +54,7 @@ def main():
     p.add_argument("out", type=Path)
     p.add_argument("--stage", type=int, required=True)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     args = p.parse_args()
 
     import deepspeed
@@ -71,6 +72,7 @@ def main():
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
         "zero_optimization": {"stage": args.stage},
+        "bf16": {"enabled": args.dtype == "bf16"},
         "steps_per_print": 10**9,
         # the sequential expert loop: no grouped GEMM needed on CPU
         "expert_parallel": {"enabled": True, "autoep_size": EP_SIZE, "preset_model": "mixtral", "use_grouped_mm": False},
@@ -119,7 +121,7 @@ def main():
         hf.load_state_dict(sd, strict=True)  # every weight of the HF model, from the engine's masters
         hf.save_pretrained(str(ref / "hf"))
         common.write_json(ref / "run.json", {"stage": args.stage, "world_size": world, "ep_size": EP_SIZE,
-                                            "num_experts": NUM_EXPERTS})
+                                            "dtype": args.dtype, "num_experts": NUM_EXPERTS})
     common.finish()
 
 
