@@ -49,13 +49,17 @@ class MergeIntoCheckpoint(CommitStrategy):
             try:
                 self._lock.acquire()
                 self.recover()
-                _, self._nonce = make_owned(self._dir, lambda nonce: STAGING_NAME, tries=1)
-            except BaseException:
+                with signals_held():  # an interrupt inside make_owned would leave an entry nobody knows of
+                    _, self._nonce = make_owned(self._dir, lambda nonce: STAGING_NAME, tries=1)
+                    self._state = "staged"
+            except BaseException:  # an interrupt held above lands here: remove what was staged
+                self._state = "done"
+                if self._nonce is not None:
+                    self._discard_staging()
                 self._release()
                 raise
         except OSError as e:
             raise disk_error(self.dst, e) from e
-        self._state = "staged"
         return self.path
 
     def _refuse(self, why: str) -> DestinationError:

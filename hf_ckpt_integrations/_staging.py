@@ -96,25 +96,28 @@ class DirLock:
             return
         self._dir = open_dir(os.path.dirname(self.path) or ".")
         try:
-            while True:
-                fd = self._open()
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-                    os.close(fd)
-                    raise DestinationError(f"{self.what}: another export into it is running (pid {holder} holds "
-                                           f"{self.path}); wait for it to finish or choose another directory")
-                if self._same(fd):  # the previous holder unlinks the file before unlocking: retry on a fresh one
-                    os.ftruncate(fd, 0)
-                    os.write(fd, f"{os.getpid()}\n".encode())
-                    self._fd = fd
-                    return
-                os.close(fd)
-        except BaseException:
-            os.close(self._dir)
-            self._dir = None
+            with signals_held():  # an interrupt between creating the file and holding it would leave it
+                self._acquire(fcntl)
+        except BaseException:  # the held interrupt lands here too: unlink a lock this call took
+            self.release()
             raise
+
+    def _acquire(self, fcntl) -> None:
+        while True:
+            fd = self._open()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise DestinationError(f"{self.what}: another export into it is running (pid {holder} holds "
+                                       f"{self.path}); wait for it to finish or choose another directory")
+            if self._same(fd):  # the previous holder unlinks the file before unlocking: retry on a fresh one
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                self._fd = fd
+                return
+            os.close(fd)
 
     def _same(self, fd) -> bool:
         try:

@@ -198,18 +198,20 @@ class SiblingSwap(CommitStrategy):
                 self._remove_stale()
                 if os.path.lexists(self.dst):
                     self._check_replaceable()
-                self._name, self._nonce = make_owned(self._dir, self._entry_name())
-                self.path = os.path.join(self._parent, self._name)
+                with signals_held():  # an interrupt inside make_owned would leave an entry nobody knows of
+                    self._name, self._nonce = make_owned(self._dir, self._entry_name())
+                    self.path = os.path.join(self._parent, self._name)
+                    self._state = "staged"
             except OSError as e:
                 raise disk_error(self.dst, e) from e
         except BaseException:
-            # Also an interrupt (SIGINT/SIGTERM) that lands right after the mkdir, before the
-            # caller owns the directory: remove it here, since abort will not run.
+            # Also an interrupt (SIGINT/SIGTERM) held during make_owned and raised as that block
+            # ends, before the caller owns the directory: remove it here, since abort will not run.
+            self._state = "done"
             if self._name is not None:
                 self._discard_staging()
             self._release()
             raise
-        self._state = "staged"
         return self.path
 
     def commit(self, names: Iterable[str] = ()) -> None:

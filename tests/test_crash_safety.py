@@ -43,10 +43,15 @@ def test_sigkill_at_random_points(engine_ckpt, tmp_path):
         # Timed warm: the first export of a config derives and caches transformers' answers (Hub
         # layout, fp32-kept modules, the config fit), so it is several times slower than the
         # exports killed below; timed cold, every kill would land after the export had finished.
+        # The fastest of three: one slowed by a cold page cache or a busy machine would put most
+        # kills after the export had finished.
         subprocess.run(_export_cmd(src, ref, config, dtype), check=True, cwd=REPO, timeout=120)
-        started = time.perf_counter()
-        subprocess.run(_export_cmd(src, ref, config, dtype), check=True, cwd=REPO, timeout=120)
-        complete[dtype] = (tree_digest(ref), time.perf_counter() - started)
+        took = []
+        for _ in range(3):
+            started = time.perf_counter()
+            subprocess.run(_export_cmd(src, ref, config, dtype), check=True, cwd=REPO, timeout=120)
+            took.append(time.perf_counter() - started)
+        complete[dtype] = (tree_digest(ref), min(took))
     digests = {d for d, _ in complete.values()}
     dst = tmp_path / "out"
     shutil.copytree(tmp_path / "ref-fp32", dst)
@@ -205,3 +210,55 @@ def test_sigterm_and_sighup_clean_up_like_ctrl_c(z2_trainer, tmp_path, sig):
     assert proc.returncode == 128 + sig, (proc.returncode, err)
     assert len(lines) == 1 and lines[0].startswith(f"error: stopped by {signal.Signals(sig).name}"), err
     assert not dst.exists() and leftovers(tmp_path) == []
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("strategy", ["sibling-swap", "merge"])
+@pytest.mark.parametrize("window", ["lock-file", "owner-marker", "staging-mkdir"])
+def test_a_signal_inside_begin_leaves_nothing(tmp_path, monkeypatch, strategy, window):
+    """SIGTERM delivered right after begin() creates its lock file, owner marker or staging
+    directory (before anything records it) is held to the end of that step and then raised
+    where begin() removes what it made: the race the timed test above can only hit by chance."""
+    from hf_ckpt_integrations import _staging
+    from hf_ckpt_integrations.commit import MergeIntoCheckpoint, SiblingSwap
+
+    def signalled(real):
+        def step(*a, **k):
+            out = real(*a, **k)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return out
+        return step
+
+    if strategy == "merge":
+        dst = tmp_path / "ckpt"
+        dst.mkdir()
+        (dst / "kept.txt").write_text("the user's file")
+        made = MergeIntoCheckpoint(dst)
+    else:
+        dst = tmp_path / "out"
+        made = SiblingSwap(dst)
+
+    def stop(*_):
+        raise _Stop()
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        if window == "lock-file":
+            monkeypatch.setattr(_staging.DirLock, "_open", signalled(_staging.DirLock._open))
+        elif window == "owner-marker":
+            monkeypatch.setattr(_staging, "open_new", signalled(_staging.open_new))
+        else:
+            monkeypatch.setattr(_staging.os, "mkdir", signalled(os.mkdir))
+        with pytest.raises(_Stop):
+            made.begin()
+            made.abort()  # not reached where the signal landed inside begin(); keeps the tree clean if not
+    finally:
+        monkeypatch.undo()
+        signal.signal(signal.SIGTERM, previous)
+    assert leftovers(tmp_path) == []
+    if strategy == "merge":
+        assert sorted(p.name for p in dst.iterdir()) == ["kept.txt"]
+    else:
+        assert not dst.exists()
