@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import stat
+import threading
 from typing import Iterable, List, Optional
 
 from .errors import DestinationError
@@ -301,16 +302,28 @@ _HELD = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if has
 
 @contextlib.contextmanager
 def signals_held():
-    """Delay SIGINT/SIGTERM/SIGHUP (POSIX) until the block is done: the swap and the removal of the
-    previous export run to the end, and the interrupt is raised after them."""
-    if not hasattr(signal, "pthread_sigmask"):
+    """Delay SIGINT/SIGTERM/SIGHUP until the block is done: the swap and the removal of the
+    previous export run to the end, and the interrupt is raised after them.
+
+    Python runs signal handlers only in the main thread, between bytecodes; so the main thread
+    swaps in a handler that notes the signal and, after the block, raises it again for the handler
+    that was in place. (A ``pthread_sigmask`` would not do: with other threads alive, as in a
+    training process, the kernel hands the signal to one of them and the handler still runs here.)
+    In another thread there is nothing to hold: no handler interrupts it."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    noted: list = []
+    previous = {}
     try:
+        for s in _HELD:
+            previous[s] = signal.signal(s, lambda signum, frame: noted.append(signum))
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        for s in dict.fromkeys(noted):
+            signal.raise_signal(s)
 
 
 def subdirectory(path) -> Optional[str]:
