@@ -84,3 +84,22 @@ def assert_bitwise_equal(state, reference):
     assert set(reference) <= set(state), sorted(set(reference) - set(state))
     for name, want in reference.items():
         assert state[name].dtype == want.dtype and torch.equal(state[name], want), name
+
+
+def tampered_copy(src, tmp_path, file=None, change=None, *, edit=None, weights_only=True, name="ckpt"):
+    """A copy of the (cached, shared) checkpoint directory ``src`` at ``tmp_path/name``, where the
+    file ``file`` (relative) holds ``change(state)`` of what it held, or its state after
+    ``edit(state)`` changed it in place. The cached original is never touched. Returns the copy."""
+    import shutil
+
+    dst = Path(tmp_path) / name
+    shutil.copytree(src, dst)
+    if file is not None:
+        import torch
+
+        path = dst / file
+        state = torch.load(path, weights_only=weights_only)
+        if edit is not None:
+            edit(state)
+        torch.save(state if change is None else change(state), path)
+    return dst

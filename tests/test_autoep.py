@@ -2,7 +2,6 @@
 ``layer_L_expert_E`` file per global expert) export into the model's Hub layout, bitwise what
 transformers' own ``save_pretrained`` writes from the engine's fp32 masters, experts gathered."""
 
-import shutil
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from hf_ckpt_integrations import export_checkpoint, inspect_checkpoint, verify_c
 from hf_ckpt_integrations.errors import LayoutError
 from hf_ckpt_integrations.plan import Piece
 from hf_ckpt_integrations.sources.deepspeed import autoep
-from helpers import export_refused, load_safetensors
+from helpers import export_refused, load_safetensors, tampered_copy
 
 
 def _layer(**over):
@@ -84,22 +83,17 @@ def test_autoep_export_is_save_pretrained_of_the_engine_masters(name, engine_ckp
 
 @pytest.mark.engine
 def test_autoep_experts_not_matching_their_files_refused(engine_ckpt, tmp_path):
-    src = tmp_path / "ckpt"
-    shutil.copytree(engine_ckpt("autoep-z2-bf16") / "ckpt", src)
-    path = src / "global_step2" / "layer_1_expert_1_mp_rank_00_model_states.pt"
-    state = torch.load(path, weights_only=True)
-    torch.save({k: v + 1 for k, v in state.items()}, path)  # the weights of another training
+    src = tampered_copy(engine_ckpt("autoep-z2-bf16") / "ckpt", tmp_path,
+                        "global_step2/layer_1_expert_1_mp_rank_00_model_states.pt",
+                        lambda state: {k: v + 1 for k, v in state.items()})  # the weights of another training
     export_refused(src, tmp_path / "hf", "--config", str(engine_ckpt("autoep-z2-bf16") / "reference" / "hf"),
                    match="in no rank order DeepSpeed builds")
 
 
 @pytest.mark.engine
 def test_autoep_router_copy_differing_from_the_router_refused(engine_ckpt, tmp_path):
-    src = tmp_path / "ckpt"
-    shutil.copytree(engine_ckpt("autoep-z1") / "ckpt", src)
-    path = src / "global_step2" / "mp_rank_00_model_states.pt"
-    state = torch.load(path, weights_only=False)
-    state["module"]["model.layers.1.mlp.gate.gate.weight"] += 1  # not the router it copies
-    torch.save(state, path)
+    src = tampered_copy(engine_ckpt("autoep-z1") / "ckpt", tmp_path, "global_step2/mp_rank_00_model_states.pt",
+                        edit=lambda state: state["module"]["model.layers.1.mlp.gate.gate.weight"].add_(1),
+                        weights_only=False)  # not the router it copies
     export_refused(src, tmp_path / "hf", "--config", str(engine_ckpt("autoep-z1") / "reference" / "hf"),
                    match="differs from the router")

@@ -7,7 +7,6 @@ storage entries sharing bytes (one chunk would be exported as the other). Synthe
 a tiny Llama, built in-process (tests/support/dcp_build.py).
 """
 
-import shutil
 import sys
 from pathlib import Path
 

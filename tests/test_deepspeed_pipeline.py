@@ -84,7 +84,6 @@ def _probe(run):
 def test_the_other_residual_rule_gives_other_logits(engine_ckpt, tmp_path):
     """The row-bias rule is what makes the logits right: exported under the opposite residual (one
     copy instead of the sum), HF's logits leave the pipeline's by far."""
-    from transformers import GPTNeoXForCausalLM
 
     run = engine_ckpt("pipe-tp2-fp32-par")
     cfg = tmp_path / "cfg"

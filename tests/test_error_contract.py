@@ -91,8 +91,6 @@ def test_export_works_without_deepspeed_or_torch_imports(engine_ckpt, tmp_path):
     """The offline exporter never needs DeepSpeed; the fp32 byte copy itself never imports torch.
     (With a config.json on transformers 5 the *plan* imports transformers to derive the Hub layout,
     docs/performance.md; without one the whole export is torch-free.)"""
-    import subprocess
-
     case = engine_ckpt("z3-fp32")
     for config in (True, False):
         dst = tmp_path / f"out-{config}"

@@ -13,12 +13,11 @@ refusals); a LoRA actor's adapter.
 
 import itertools
 import json
-import shutil
 
 import pytest
 import torch
 
-from helpers import assert_bitwise_equal, export_refused, hf_ckpt, load_hf_state, load_safetensors
+from helpers import assert_bitwise_equal, export_refused, hf_ckpt, load_hf_state, load_safetensors, tampered_copy
 from hf_ckpt_integrations.sources.fsdp_rank_files import local_indices
 
 
@@ -85,12 +84,10 @@ def test_verl_export_is_the_engines_weights(engine_ckpt, tmp_path, entry):
 def test_fsdp_tp_diverged_copy_refused(engine_ckpt, tmp_path):
     """The two TP ranks of a DP group hold the same blocks of every tensor on the "dp" sub-mesh: a copy
     that differs from the one written is refused, naming its file."""
-    src = tmp_path / "actor"
-    shutil.copytree(engine_ckpt("rank-fsdp-tp") / "ckpt/global_step_2/actor", src)
-    sd = torch.load(src / "model_world_size_4_rank_1.pt", weights_only=False)
     name = "model.norm.weight"
-    sd[name]._local_tensor.add_(1)
-    torch.save(sd, src / "model_world_size_4_rank_1.pt")
+    src = tampered_copy(engine_ckpt("rank-fsdp-tp") / "ckpt/global_step_2/actor", tmp_path,
+                        "model_world_size_4_rank_1.pt", edit=lambda sd: sd[name]._local_tensor.add_(1),
+                        weights_only=False, name="actor")
     export_refused(src, tmp_path / "out", match=("model_world_size_4_rank_1.pt", name, "replicas"))
 
 
@@ -101,9 +98,7 @@ def test_accelerate_use_dcp_false_export_is_the_engines_weights(engine_ckpt, tmp
 
 @pytest.fixture
 def verl_actor(engine_ckpt, tmp_path):
-    src = tmp_path / "actor"
-    shutil.copytree(engine_ckpt("rank-verl") / "ckpt/global_step_2/actor", src)
-    return src
+    return tampered_copy(engine_ckpt("rank-verl") / "ckpt/global_step_2/actor", tmp_path, name="actor")
 
 
 def test_missing_rank_file_refused(verl_actor, tmp_path):

@@ -4,7 +4,6 @@ as DeepSpeed's ``layer_L_expert_E`` files name them, and every rank order is pro
 files' weights before it is used."""
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch
 from hf_ckpt_integrations import export_checkpoint, inspect_checkpoint, verify_checkpoint
 from hf_ckpt_integrations.errors import LayoutError
 from hf_ckpt_integrations.sources.deepspeed import moe, zero12
-from helpers import export_refused, load_safetensors
+from helpers import export_refused, load_safetensors, tampered_copy
 
 LOCAL = "moe1.deepspeed_moe.experts.deepspeed_experts."
 
@@ -124,28 +123,23 @@ def test_moe_export_is_the_engine_masters_experts_gathered(name, engine_ckpt, tm
 
 @pytest.mark.engine
 def test_moe_experts_not_matching_their_files_refused(engine_ckpt, tmp_path):
-    src = tmp_path / "ckpt"
-    shutil.copytree(engine_ckpt("moe-z2-ep2") / "ckpt", src)
-    path = src / "global_step2" / "layer_0_expert_3_mp_rank_00_model_states.pt"
-    state = torch.load(path, weights_only=True)
-    torch.save({k: v + 1 for k, v in state.items()}, path)  # the weights of another training
+    src = tampered_copy(engine_ckpt("moe-z2-ep2") / "ckpt", tmp_path,
+                        "global_step2/layer_0_expert_3_mp_rank_00_model_states.pt",
+                        lambda state: {k: v + 1 for k, v in state.items()})  # the weights of another training
     export_refused(src, tmp_path / "hf", match="in no rank order DeepSpeed builds")
 
 
 @pytest.mark.engine
 def test_moe_missing_expert_file_refused(engine_ckpt, tmp_path):
-    src = tmp_path / "ckpt"
-    shutil.copytree(engine_ckpt("moe-z2-ep2") / "ckpt", src)
+    src = tampered_copy(engine_ckpt("moe-z2-ep2") / "ckpt", tmp_path)
     (src / "global_step2" / "layer_1_expert_2_mp_rank_00_model_states.pt").unlink()
     export_refused(src, tmp_path / "hf", match="miss experts [2]")
 
 
 @pytest.mark.engine
 def test_moe_expert_file_without_a_weight_refused(engine_ckpt, tmp_path):
-    src = tmp_path / "ckpt"
-    shutil.copytree(engine_ckpt("moe-z2-ep2") / "ckpt", src)
-    path = src / "global_step2" / "layer_1_expert_1_mp_rank_00_model_states.pt"
-    state = torch.load(path, weights_only=True)
-    torch.save({k: v for k, v in state.items() if not k.endswith(".2.bias")}, path)
+    src = tampered_copy(engine_ckpt("moe-z2-ep2") / "ckpt", tmp_path,
+                        "global_step2/layer_1_expert_1_mp_rank_00_model_states.pt",
+                        lambda state: {k: v for k, v in state.items() if not k.endswith(".2.bias")})
     # Without that weight the expert's masters could not be proven at any place.
     export_refused(src, tmp_path / "hf", match="no layer_*_expert_* file holds")

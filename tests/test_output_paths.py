@@ -178,7 +178,7 @@ def test_staging_of_a_live_writer_is_kept(case):
         staging = proc.stdout.readline().strip()
         assert os.path.isdir(staging)
         r = _ok(_export(case, case / "out"))
-        assert f"still runs" in r.stderr and Path(staging).name in r.stderr
+        assert "still runs" in r.stderr and Path(staging).name in r.stderr
         assert (Path(staging) / "model.safetensors").read_bytes() == b"partial"
         assert os.path.isfile(staging + commit.OWNER_SUFFIX)
     finally:

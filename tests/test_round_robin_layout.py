@@ -4,7 +4,6 @@ in the module order. The export places masters by the flat order, accepts exactl
 DeepSpeed records under round robin, and still proves every place against the module weights."""
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch
 from hf_ckpt_integrations import export_checkpoint, inspect_checkpoint, verify_checkpoint
 from hf_ckpt_integrations.sources.deepspeed import partitions
 from hf_ckpt_integrations.sources.deepspeed.zero12 import _round_robin_recorded
-from helpers import export_refused, load_safetensors
+from helpers import export_refused, load_safetensors, tampered_copy
 
 
 def _deepspeed_reorder(count, dp):
@@ -88,8 +87,7 @@ def test_round_robin_export_is_the_engine_masters(name, engine_ckpt, tmp_path):
 
 @pytest.mark.engine
 def test_round_robin_swapped_rank_files_refused(engine_ckpt, tmp_path):
-    src = tmp_path / "ckpt"
-    shutil.copytree(engine_ckpt("z2-round-robin-dp2") / "ckpt", src)
+    src = tampered_copy(engine_ckpt("z2-round-robin-dp2") / "ckpt", tmp_path)
     tag = src / "global_step2"
     a, b = (tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))
     a.rename(tag / "tmp")
