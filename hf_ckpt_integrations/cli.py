@@ -50,6 +50,8 @@ def inspect_command_parser(subparsers=None):
     p.add_argument("--config", help="directory holding config.json (default: next to the checkpoint)")
     _source_args(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--universal", action="store_true", help="also show what `hf-ckpt universal` would write from "
+                   "it: the optimizer states carried and, per parameter, how its model-parallel slices merge")
     p.set_defaults(func=inspect_command)
     return p
 
@@ -64,6 +66,19 @@ def _source_args(p):
     p.add_argument("--source-option", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
                    help="an option a source declares, repeatable; "
                         + ("; ".join(f"{o.name}: {o.help}" for o in declared.values()) or "none declared"))
+
+
+def _universal_lines(summary):
+    """``inspect --universal`` in text: the states carried, then how many parameters merge each way."""
+    if not summary:
+        return []
+    params = summary["parameters"]
+    merges = {}
+    for p in params:
+        key = p["merge"] + (f" ({p['rule']})" if p["rule"] and p["merge"] != "one copy" else "")
+        merges[key] = merges.get(key, 0) + 1
+    return ([f"{len(params)} parameter(s) x fp32 + {', '.join(summary['optimizer_states']) or 'no optimizer state'}"]
+            + [f"{n:3d} by {how}" for how, n in sorted(merges.items())])
 
 
 def _key_value(text):
@@ -90,6 +105,11 @@ def inspect_command(args) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         info = inspect_checkpoint(args.src, tag=args.tag, config=args.config, tp_rules=args.tp_rule,
                                   source_options=_source_options(args))
+        if args.universal:  # the universal writer's own plan, not a guess from the export's
+            from .universal_writer import plan_universal, universal_summary
+
+            plan, states, _ = plan_universal(args.src, tag=args.tag, config=args.config, tp_rules=args.tp_rule)
+            info["universal"] = universal_summary(plan, states)
     if args.json:
         print(json.dumps(info, indent=2))
         return EXIT_OK
@@ -138,6 +158,8 @@ def inspect_command(args) -> int:
         print(f"config      {info['config_dir'] or 'not found (pass --config to export)'}")
     for note in info["notes"]:
         print(f"note        {note}")
+    for line in _universal_lines(info.get("universal")):
+        print(f"universal   {line}")
     return EXIT_OK
 
 
