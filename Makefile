@@ -9,7 +9,7 @@ help:
 	@echo "make demo   - train a tiny Llama under DeepSpeed ZeRO-3, export, verify, reload"
 	@echo "make test   - the whole test suite (both environments)"
 	@echo "make test-fast - every test that needs no engine run (a few minutes; an engine launch fails it)"
-	@echo "make mutants - break each guard in turn (tests/mutants.toml) in a scratch copy; the fast suite must fail"
+	@echo "make mutants - break each guard in turn (tests/mutants.toml) in a scratch copy; a test must fail"
 	@echo "make setup  - build .venv and .venv-cai (idempotent)"
 	@echo "make docs   - build the documentation site (mkdocs --strict) into site/"
 	@echo "make bench  - benchmark hf-ckpt export against zero_to_fp32.py, and save-time hooks against"
