@@ -25,8 +25,11 @@ object itself is not carried (the source file pickles a DeepSpeed class; its fla
 run's dynamic loss scale restarts from the configured initial scale.
 
 Reading stays metadata plus byte ranges (the restricted unpickler; never ``torch.load`` of a source
-file); writing uses ``torch.save`` (DeepSpeed loads these with ``torch.load``). One parameter's
-states are in memory at a time. The directory is staged and made visible last through
+file). Every file is written in ``torch.save``'s format (DeepSpeed loads them with ``torch.load``) by
+:mod:`.formats.torch_save_out`, without torch: a state's bytes go from the source's byte ranges to
+the output a bounded chunk at a time (only a tensor that must be assembled, TP column slices or
+unpadding, is held whole), and only plain data is written (a value that is not, in an optional
+model-states field, is left out with a note). The directory is staged and made visible last through
 :func:`~.writer.export_strategy` (the destination guard every output goes through): never inside
 the source, nothing left behind on failure. Load it with
 ``engine.load_checkpoint(os.path.dirname(dst), tag=os.path.basename(dst))``; no
@@ -302,8 +305,10 @@ def _model_states(plan, model, shapes, frozen, buffers, files, notes) -> dict:
             continue
         try:
             out[k] = _plain(model[k], files, k)
-        except _NotPlain as e:
-            notes.append(f"{k} not carried into the universal checkpoint ({e}): the resumed run starts it afresh")
+        except _NotPlain as e:  # the reader built an inert stand-in, never the object: nothing to copy
+            notes.append(f"{k} not carried into the universal checkpoint ({e}): the resumed run starts it afresh" +
+                         (" (DeepSpeed's loader reads it: pass load_lr_scheduler_states=False to load_checkpoint)"
+                          if k == "lr_scheduler" else ""))
     out.update({"module": buffers, "buffer_names": list(buffers), "param_shapes": [shapes],
                 "frozen_param_shapes": frozen, "shared_params": dict(plan.aliases), "mp_world_size": 1,
                 "optimizer": None, "universal_checkpoint_info": _rules(plan)})

@@ -205,3 +205,30 @@ def test_universal_never_imports_torch(case, tmp_path):
     first = next(p for p in (dst / "zero").iterdir() if p.is_dir())
     assert set(torch.load(first / "fp32.pt", weights_only=True)) == {"param", "cat_dim"}
     assert torch.load(dst / "mp_rank_00_model_states.pt", weights_only=True)["mp_world_size"] == 1
+
+
+def test_universal_leaves_out_model_fields_that_are_not_plain_data(tmp_path):
+    """A class instance in a model-states field (Megatron's argparse.Namespace, a custom scheduler)
+    reaches the writer only as the reader's inert stand-in: it is left out with a note naming the
+    field (and, for the lr scheduler DeepSpeed's loader reads, the load option to pass); everything
+    else is written, and torch.load(weights_only=True) reads the file."""
+    import argparse
+    import shutil
+
+    from hf_ckpt_integrations import write_universal_checkpoint
+
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "0.18.9" / "zero2", src)
+    states = src / "ckpt" / "global_step2" / "mp_rank_00_model_states.pt"
+    model = torch.load(states, weights_only=False)
+    model["lr_scheduler"] = argparse.Namespace(last_epoch=2)
+    model["data_sampler"] = argparse.Namespace(seed=1)
+    states.unlink()
+    torch.save(model, states)
+    report = write_universal_checkpoint(src / "ckpt", tmp_path / "uc" / "global_step2", config=str(src))
+    notes = " ".join(report["notes"])
+    assert "lr_scheduler not carried" in notes and "load_lr_scheduler_states=False" in notes, notes
+    assert "data_sampler not carried" in notes, notes
+    out = torch.load(tmp_path / "uc" / "global_step2" / "mp_rank_00_model_states.pt", weights_only=True)
+    assert "lr_scheduler" not in out and "data_sampler" not in out
+    assert out["global_steps"] == model["global_steps"] and out["mp_world_size"] == 1
