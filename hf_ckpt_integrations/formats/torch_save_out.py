@@ -151,9 +151,11 @@ class _ZipOut:
     def __init__(self, fh, archive: str):
         self.fh, self.archive, self.pos, self.entries = fh, archive, 0, []
 
-    def _write(self, data) -> None:
+    def _write(self, data) -> int:
+        n = memoryview(data).nbytes  # bytes, whatever the item size of a buffer handed in
         self.fh.write(data)
-        self.pos += len(data)
+        self.pos += n
+        return n
 
     def record(self, name: str, chunks: Iterable, size: int) -> None:
         full = f"{self.archive}/{name}".encode("utf-8")
@@ -174,8 +176,7 @@ class _ZipOut:
         crc, got = 0, 0
         for chunk in chunks:
             crc = zlib.crc32(chunk, crc)
-            self._write(chunk)
-            got += len(chunk)
+            got += self._write(chunk)
         if got != size:
             raise CheckpointError(f"{self.fh.name}: record {name} got {got} bytes, expected {size}; a source file "
                                   "changed while being read: write again from a checkpoint nobody is writing")
