@@ -25,8 +25,11 @@ object itself is not carried (the source file pickles a DeepSpeed class; its fla
 run's dynamic loss scale restarts from the configured initial scale.
 
 Reading stays metadata plus byte ranges (the restricted unpickler; never ``torch.load`` of a source
-file); writing uses ``torch.save`` (DeepSpeed loads these with ``torch.load``). One parameter's
-states are in memory at a time. The directory is staged and made visible last through
+file). Every file is written in ``torch.save``'s format (DeepSpeed loads them with ``torch.load``) by
+:mod:`.formats.torch_save_out`, without torch: a state's bytes go from the source's byte ranges to
+the output a bounded chunk at a time (only a tensor that must be assembled, TP column slices or
+unpadding, is held whole), and only plain data is written (a value that is not, in an optional
+model-states field, is left out with a note). The directory is staged and made visible last through
 :func:`~.writer.export_strategy` (the destination guard every output goes through): never inside
 the source, nothing left behind on failure. Load it with
 ``engine.load_checkpoint(os.path.dirname(dst), tag=os.path.basename(dst))``; no
@@ -40,7 +43,9 @@ from collections import OrderedDict
 from typing import Dict, Optional, Sequence
 
 from .errors import CheckpointError, LayoutError, short_repr
+from .assemble import FileRange
 from .formats.torch_files import TensorRef
+from .formats.torch_save_out import OutTensor, TorchSize, archive_name, save as save_torch_file
 from .mapped_files import MappedFiles
 from .outfiles import open_new
 from .plan import ExportPlan, TensorPlan, check_plan
@@ -139,18 +144,14 @@ def universal_summary(plan: ExportPlan, states) -> dict:
 
 
 def _plain(value, files, what):
-    """``value`` (read by the restricted unpickler) as plain Python/torch objects for torch.save:
-    containers, numbers, strings; a tensor read as bytes. CheckpointError for anything else."""
-    import torch
-
+    """``value`` (read by the restricted unpickler) as plain data for :func:`_save`: containers,
+    numbers, strings; a tensor as an :class:`OutTensor` whose bytes are copied from its file when
+    written. :class:`_NotPlain` for anything else. (``files`` is unused: kept for callers.)"""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, TensorRef):
-        from .formats.dtypes import to_torch
-
-        raw = bytes(files.read(value.path, *value.byte_range()))
-        return torch.frombuffer(bytearray(raw), dtype=to_torch(value.dtype)).reshape(value.shape) if raw else \
-            torch.empty(value.shape, dtype=to_torch(value.dtype))
+        where = FileRange(value.path, *value.byte_range())  # refuses a non-contiguous tensor now, not mid-file
+        return OutTensor(value.dtype, value.shape, lambda: [where])
     if isinstance(value, (list, tuple)):
         out = [_plain(v, files, what) for v in value]
         return tuple(out) if isinstance(value, tuple) else out
@@ -167,20 +168,26 @@ class _NotPlain(Exception):
 
 
 def _save(obj, path) -> int:
-    import torch
-
+    """``obj`` written as ``torch.save(obj, path)`` writes it (``torch.load`` reads it; torch is not
+    imported), fsynced; the bytes written."""
     with open_new(path) as fh:
-        torch.save(obj, fh)
+        n = save_torch_file(obj, fh, archive=archive_name(path))
         fh.flush()
         os.fsync(fh.fileno())
-        return fh.tell()
+        return n
 
 
-def _own(tensor):
-    """``tensor`` holding its own bytes only (torch.save writes a view's whole storage)."""
-    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() or tensor.storage_offset():
-        return tensor.clone()
-    return tensor
+def _tensor(t: TensorPlan, dtype: str) -> OutTensor:
+    """The tensor ``t`` describes, in ``dtype``, read while its file is written: stored bytes as file
+    ranges copied a bounded chunk at a time (a ZeRO merge is its partitions' ranges in order), a cast
+    a chunk at a time, only a tensor that must be assembled (TP column slices, unpadding) in memory.
+    The replicas are checked before the first byte (:func:`~.assemble.iter_bytes`)."""
+    def chunks():
+        from .assemble import iter_bytes
+
+        with MappedFiles() as files:  # a mapping only where slices are assembled; closed with the file
+            yield from iter_bytes(t, dtype, files, ranges=True)
+    return OutTensor(dtype, t.shape, chunks)
 
 
 def write_universal_checkpoint(src, dst, *, tag: Optional[str] = None, config: Optional[str] = None,
@@ -217,14 +224,16 @@ def write_universal_checkpoint(src, dst, *, tag: Optional[str] = None, config: O
                     f"tag={os.path.basename(strategy.dst)!r}) with \"checkpoint\": {{\"load_universal\": true}}"}
 
 
-def _param_dict(t: TensorPlan, tensor) -> dict:
-    out = {"param": _own(tensor), "cat_dim": t.cat_dim if len(t.parts) > 1 and t.cat_dim is not None else 0}
+def _param_dict(t: TensorPlan, tensor: OutTensor) -> dict:
+    out = {"param": tensor, "cat_dim": t.cat_dim if len(t.parts) > 1 and t.cat_dim is not None else 0}
     if t.keep_rows is not None:
         out["vocab_tensor"] = True  # padding dropped: the loader pads again for its TP size
     return out
 
 
 def _write(plan: ExportPlan, states, model, staging, notes) -> Dict[str, int]:
+    for name in states.tensor_names + states.scalar_names:  # each becomes a file name
+        _check_name(name, f"{plan.source} (optimizer state)")
     zero = os.path.join(staging, ZERO_DIR)
     os.mkdir(zero)
     out = {"files": 0, "bytes": 0, "buffers": OrderedDict(), "steps": [], "shapes": OrderedDict(),
@@ -239,66 +248,27 @@ def _write(plan: ExportPlan, states, model, staging, notes) -> Dict[str, int]:
     return {"files": out["files"] + 1 + len(MODEL_STATES), "bytes": out["bytes"] + nbytes}
 
 
-def _read(t: TensorPlan):
-    """The tensor ``t`` describes, its replicas checked first, in memory of its own: a plain tensor
-    (its pieces laid end to end) is read with ``pread`` straight into one buffer; anything else is
-    assembled through a mapping that is closed before returning. So the memory in use is this one
-    tensor, whatever the model size (no page of a source file stays mapped)."""
-    import torch
-
-    from .assemble import check_replicas, torch_tensor
-    from .formats.dtypes import SIZES, to_torch
-
-    with MappedFiles() as files:
-        check_replicas(t, files)
-        flat = t.flat_pieces()
-        if flat is None or any(p.dtype != t.src_dtype for p in flat):
-            return torch_tensor(t, files).clone()
-    out = torch.empty(t.numel, dtype=to_torch(t.src_dtype))
-    view = memoryview(out.view(torch.uint8).numpy()) if t.numel else memoryview(b"")
-    at = 0
-    for p in flat:
-        n = p.numel * SIZES[p.dtype]
-        fd = os.open(p.path, os.O_RDONLY)
-        try:
-            got = os.preadv(fd, [view[at:at + n]], p.offset) if n else 0
-        finally:
-            os.close(fd)
-        if got != n:
-            raise LayoutError(f"{p.path}: ended {n - got} bytes early (changed while being read?); write again "
-                              "from a checkpoint nobody is writing")
-        at += n
-    return out.view(t.shape)
-
-
 def _write_param(plan, states, t: TensorPlan, zero, out) -> None:
-    import torch
-
     if t.kind == "buffer":
-        out["buffers"][t.name] = _read(t)
+        out["buffers"][t.name] = _tensor(t, t.src_dtype)  # read when the model-states file is written
         return
     folder = os.path.join(zero, t.name)
     os.mkdir(folder)
     trained = states.has_states(t)
-    fp32 = _read(t)
-    if fp32.dtype != torch.float32:
-        fp32 = fp32.float()
-    out["bytes"] += _save(_param_dict(t, fp32), os.path.join(folder, "fp32.pt"))
+    out["bytes"] += _save(_param_dict(t, _tensor(t, "F32")), os.path.join(folder, "fp32.pt"))
     out["files"] += 1
-    del fp32
     if not trained:
-        out["frozen"][t.name] = torch.Size(t.shape)
+        out["frozen"][t.name] = TorchSize(t.shape)
         return
-    out["shapes"][t.name] = torch.Size(t.shape)
+    out["shapes"][t.name] = TorchSize(t.shape)
     for name in states.tensor_names:
-        # _read checks the replicas: every state of every copy, not only the weights
-        out["bytes"] += _save(_param_dict(t, _read(states.state_plan(t, name))), os.path.join(folder, f"{name}.pt"))
+        # every state of every copy is checked against the first copy, not only the weights
+        sp = states.state_plan(t, name)
+        out["bytes"] += _save(_param_dict(t, _tensor(sp, sp.src_dtype)), os.path.join(folder, f"{name}.pt"))
         out["files"] += 1
     for name in states.scalar_names:
-        value = states.scalar(t, name)
         try:
-            with MappedFiles() as files:
-                value = _plain(value, files, f"optimizer {name} of {t.name}")  # a copy: outlives the mapping
+            value = _plain(states.scalar(t, name), None, f"optimizer {name} of {t.name}")
         except _NotPlain as e:
             raise CheckpointError(f"{plan.source}: {e}; not an optimizer state this writer knows") from None
         if name == "step":
@@ -335,8 +305,10 @@ def _model_states(plan, model, shapes, frozen, buffers, files, notes) -> dict:
             continue
         try:
             out[k] = _plain(model[k], files, k)
-        except _NotPlain as e:
-            notes.append(f"{k} not carried into the universal checkpoint ({e}): the resumed run starts it afresh")
+        except _NotPlain as e:  # the reader built an inert stand-in, never the object: nothing to copy
+            notes.append(f"{k} not carried into the universal checkpoint ({e}): the resumed run starts it afresh" +
+                         (" (DeepSpeed's loader reads it: pass load_lr_scheduler_states=False to load_checkpoint)"
+                          if k == "lr_scheduler" else ""))
     out.update({"module": buffers, "buffer_names": list(buffers), "param_shapes": [shapes],
                 "frozen_param_shapes": frozen, "shared_params": dict(plan.aliases), "mp_world_size": 1,
                 "optimizer": None, "universal_checkpoint_info": _rules(plan)})
