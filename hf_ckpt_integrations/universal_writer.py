@@ -93,8 +93,16 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
     tag_dir, _ = resolve_tag_dir(src, tag)
     for t in plan.tensors:
         _check_name(t.name, tag_dir)
+    optim, models = find_rank_files(tag_dir)
+    if not any(optim.values()):
+        # Without ZeRO the optimizer's state sits inside the model-states file in the wrapping
+        # optimizer's own layout, and DeepSpeed restores a universal checkpoint only through its ZeRO
+        # optimizers (an engine without ZeRO never reads zero/; 0.19 engine.py _load_checkpoint).
+        raise CheckpointError(f"{tag_dir}: a DeepSpeed save without ZeRO (stage 0, {plan.detail.get('optimizer')}): "
+                              "no ZeRO optimizer partition files to take the states from, and DeepSpeed loads "
+                              "universal checkpoints into ZeRO stage 1-3 engines only; resume it at its own layout "
+                              "(engine.load_checkpoint), or train with ZeRO stage 1-3 to change layouts")
     states = OptimizerStates(tag_dir)
-    _, models = find_rank_files(tag_dir)
     first = models[0].get(None) or models[0].get(0)
     return plan, states, load(first)
 

@@ -190,6 +190,21 @@ CASES = {
     # 12 data-parallel ranks onto 2 and 1 (its own layout, 12 processes, is too slow to rerun in CI).
     **{f"ucw-z2-dp12-to{n}": ("ds_uc_resume.py", n, ["--from", "{case:z2-dp12}", "--load", "universal", "--layout",
                                                      "plain", "--stage", "2", "--saved-dp", "12"]) for n in (1, 2)},
+    # ZeRO-3 saved on 2 ranks onto 3 (every parameter cut anew, unevenly): both runs take the same 6 rows a
+    # step (the saving run's 4 do not split in 3); bf16 ZeRO-2 and BF16_Optimizer (bf16, ZeRO-1, fp32
+    # accumulation) onto 1 rank.
+    **{f"ucw-{src}-{to}": ("ds_uc_resume.py", n, ["--from", f"{{case:{src}}}", "--load", load, "--layout", "plain",
+                                                   "--saved-dp", "2", *extra])
+       for src, m, extra in (("z3-fp32", 3, ["--stage", "3", "--rows", "6"]),
+                             ("z2-bf16", 1, ["--stage", "2", "--dtype", "bf16"]),
+                             ("bf16opt-z1", 1, ["--stage", "1", "--dtype", "bf16", "--grad-accum", "fp32"]))
+       for to, n, load in (("own", 2, "own"), (f"to{m}", m, "universal"))},
+    # DeepSpeed 0.14.4's replica-mpu ZeRO-2 save (a committed fixture, 2 replicas x 2 data-parallel ranks) onto
+    # 1 and 2 ranks under the installed DeepSpeed (no 0.14.4 here to resume it at its own layout).
+    **{f"ucw-ds0.14.4-replica-to{n}": ("ds_uc_resume.py", n, [
+        "--from", str(REPO / "tests" / "fixtures" / "deepspeed" / "0.14.4" / "zero2-replica"), "--config",
+        str(REPO / "tests" / "fixtures" / "deepspeed" / "0.14.4" / "zero2-replica"), "--load", "universal",
+        "--layout", "plain", "--stage", "2", "--saved-dp", "2"]) for n in (1, 2)},
 }
 CASE_REF = re.compile(r"^\{case:([\w.-]+)\}$")  # an argument naming another case's directory
 

@@ -1,20 +1,27 @@
 """Resume a saved DeepSpeed run, at its own layout or through ``hf-ckpt universal`` at another one.
 
 ``torchrun --nproc_per_node N ds_uc_resume.py OUT --from CASE_DIR --layout plain|replica|tp --stage S
---load own|universal``
+--load own|universal [--dtype bf16 [--grad-accum fp32]] [--saved-dp D] [--rows R] [--config DIR]``
 
-``CASE_DIR`` is an engine case (ds_train.py, ds_parallel_train.py or ds_tp_train.py output:
-``ckpt/`` saved after 2 steps, ``config/``). ``--load own`` rebuilds the saving run's layout
-(``--layout``: plain data parallel, a replica ``mpu`` of N ranks, the TP-by-hand Llama of
-ds_tp_train.py) and loads ``ckpt`` with DeepSpeed's ordinary loader; ``--load universal`` has rank 0
-write (with ``--tp-rule``s) ``OUT/uc/global_step2`` with ``hf_ckpt_integrations.write_universal_checkpoint`` and loads it
-into a plain Llama on N data-parallel ranks with ``"checkpoint": {"load_universal": true}``.
+``CASE_DIR`` is an engine case (ds_train.py, ds_parallel_train.py, ds_configs_train.py or
+ds_tp_train.py output: ``ckpt/`` saved after 2 steps, ``config/``), or, with ``--config DIR``, any
+such save whose HF config.json is in ``DIR`` (a committed fixture of an older DeepSpeed): the
+model is then rebuilt from that config. ``--dtype``/``--grad-accum`` repeat the saving run's
+precision (bf16 with fp32 accumulation at stage 1 is DeepSpeed's BF16_Optimizer).
+
+``--load own`` rebuilds the saving run's layout (``--layout``: plain data parallel, a replica
+``mpu`` of N ranks, the TP-by-hand Llama of ds_tp_train.py) and loads ``ckpt`` with DeepSpeed's
+ordinary loader; ``--load universal`` has rank 0 write (with ``--tp-rule``s) ``OUT/uc/global_step2``
+with ``hf_ckpt_integrations.write_universal_checkpoint`` and loads it into a plain Llama on N
+data-parallel ranks with ``"checkpoint": {"load_universal": true}``.
 
 Either way the run records (rank 0) in ``OUT/loaded.safetensors`` the states the engine holds right
 after loading — per parameter the full fp32 master, ``exp_avg`` and ``exp_avg_sq`` (gathered with
 DeepSpeed's own ``safe_get_full_*`` helpers, TP slices concatenated along the dims ds_tp_train.py
 split them on) — and in ``OUT/run.json`` the optimizer steps and the losses of the next two steps
-on the same global batches the saving run would have seen.
+on the same global batches the saving run would have seen (``--rows R``: on R rows a step instead,
+the same for every run given the same R, cut evenly over its data-parallel ranks — for a layout
+the saving run's batches do not divide into).
 """
 import argparse
 import sys
@@ -41,12 +48,16 @@ def main():
     p.add_argument("--saved-dp", type=int, default=1, help="data-parallel size of the saving run")
     p.add_argument("--vocab", type=int, default=common.VOCAB_SIZE)
     p.add_argument("--tp-rule", action="append", default=[], help="passed to write_universal_checkpoint")
+    p.add_argument("--config", type=Path, help="the save's HF config dir; the model is rebuilt from it")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--grad-accum", choices=["fp32"], default=None)
+    p.add_argument("--rows", type=int, default=None, help="rows of every step's global batch")
     args = p.parse_args()
 
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from safetensors.torch import save_file
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     deepspeed.init_distributed(dist_backend="gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -56,12 +67,17 @@ def main():
             from hf_ckpt_integrations import write_universal_checkpoint
 
             report = write_universal_checkpoint(ckpt, args.out / "uc" / f"global_step{SAVED_AT}",
-                                                config=str(args.src / "config"), tp_rules=args.tp_rule)
+                                                config=str(args.config or args.src / "config"),
+                                                tp_rules=args.tp_rule)
             common.write_json(args.out / "universal.json", report)
         dist.barrier()
         load_dir, tag = str(args.out / "uc"), f"global_step{SAVED_AT}"
 
-    config = common.tiny_llama_config(vocab_size=args.vocab)
+    if args.config is not None:
+        config = LlamaConfig.from_pretrained(str(args.config))
+        args.vocab = config.vocab_size
+    else:
+        config = common.tiny_llama_config(vocab_size=args.vocab)
     mpu, mp, dp, dp_rank = None, 1, world, rank
     torch.manual_seed(1)  # another init than the saving run: everything must come from the checkpoint
     if args.load == "own" and args.layout in ("replica", "tp"):
@@ -71,12 +87,22 @@ def main():
         model = make_tp_llama(config, mpu) if args.layout == "tp" else LlamaForCausalLM(config)
     else:
         model = LlamaForCausalLM(config)
-    # Each data-parallel rank of this run takes an equal share of the saving run's global batch.
-    share = args.saved_dp // dp if args.saved_dp >= dp else None
-    assert share and share * dp == args.saved_dp, "the saving run's batches must split evenly"
-    ds_config = {"train_micro_batch_size_per_gpu": 2 * share, "gradient_accumulation_steps": 1,
+    # Each data-parallel rank of this run takes an equal share of the saving run's global batch
+    # (or of --rows rows).
+    if args.rows:
+        share, micro = None, args.rows // dp
+        assert micro * dp == args.rows, f"{args.rows} rows do not split over {dp} data-parallel ranks"
+    else:
+        share = args.saved_dp // dp if args.saved_dp >= dp else None
+        assert share and share * dp == args.saved_dp, "the saving run's batches must split evenly"
+        micro = 2 * share
+    ds_config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
                  "zero_optimization": {"stage": args.stage}, "steps_per_print": 10**9}
+    if args.dtype == "bf16":
+        ds_config["bf16"] = {"enabled": True}
+    if args.grad_accum:
+        ds_config["data_types"] = {"grad_accum_dtype": args.grad_accum}
     if args.load == "universal":
         ds_config["checkpoint"] = {"load_universal": True}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config, mpu=mpu)
@@ -101,7 +127,10 @@ def main():
 
     losses = []
     for step in range(SAVED_AT, SAVED_AT + STEPS):
-        if args.layout == "plain":  # the saving run's rank r used fixed_batch(step, rank=r)
+        if args.rows:
+            ids = common.fixed_batch(step, batch=args.rows, vocab_size=args.vocab)
+            ids = ids[dp_rank * micro:(dp_rank + 1) * micro]
+        elif args.layout == "plain":  # the saving run's rank r used fixed_batch(step, rank=r)
             ids = torch.cat([common.fixed_batch(step, rank=r, vocab_size=args.vocab)
                              for r in range(dp_rank * share, (dp_rank + 1) * share)])
         else:  # replicas / TP ranks of one data-parallel rank share its batch (saved with dp 1)
@@ -116,6 +145,7 @@ def main():
         save_file(loaded, str(args.out / "loaded.safetensors"))
         common.write_json(args.out / "run.json", {"load": args.load, "layout": args.layout, "world_size": world,
                                                   "stage": args.stage, "steps": steps, "losses": losses,
+                                                  "optimizer": type(engine.optimizer).__name__,
                                                   "losses_hex": [float(x).hex() for x in losses],
                                                   "global_steps": engine.global_steps})
     common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
