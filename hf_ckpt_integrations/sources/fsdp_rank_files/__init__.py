@@ -68,6 +68,7 @@ _MODEL_DIRS = ("actor", "policy")  # verl's actor (the policy; critic/ beside it
 _LATEST = "latest_checkpointed_iteration.txt"
 _FSDP_CONFIG = "fsdp_config.json"
 _HF_DIR = "huggingface"
+_LORA_DIR = "lora_adapter"  # verl's fsdp worker writes a LoRA actor's adapter (config + weights) there
 
 
 # ---- where the files are ---------------------------------------------------------------------
@@ -364,6 +365,8 @@ def plan(ctx) -> ExportPlan:
                         else "") + ")")
     if mesh:
         detail.update({"mesh": mesh["mesh"], "mesh_dim_names": mesh["dim_names"]})
+    if os.path.isdir(os.path.join(model_dir, _LORA_DIR)):  # verl's LoRA actor: its adapter_config.json
+        detail["adapter_config_dirs"] = [os.path.join(model_dir, _LORA_DIR)]
     return ExportPlan(engine=NAME, source=os.path.abspath(ctx.path), tag=None, tensors=out,
                       dtypes={"module": dtypes.pop()} if len(dtypes) == 1 else {}, config_dir=ctx.config_dir,
                       files=files, notes=notes, detail=detail)
