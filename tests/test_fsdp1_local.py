@@ -94,6 +94,24 @@ def test_local_view_out_of_place_refused(local_case, tmp_path):
     export_refused(src, tmp_path / "out", "--config", case / "config", match=("_flat_param", "no FSDP layout"))
 
 
+def test_local_flat_parameter_of_one_rank_only_refused(local_case, tmp_path):
+    """Ranks must hold the same FSDP units: an extra flat parameter in rank 1's file names the mix."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    case, src = local_case
+    path = src / "pytorch_model_fsdp_rank1.bin"
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        sd = torch.load(path, weights_only=False)
+        sd["model.layers.7._flat_param"] = sd["model.layers.1._flat_param"]
+        torch.save(sd, path)
+    finally:
+        dist.destroy_process_group()
+    export_refused(src, tmp_path / "out", "--config", case / "config",
+                   match=("pytorch_model_fsdp_rank1.bin", "model.layers.7._flat_param", "rank 0's only"))
+
+
 def test_local_file_under_a_sharded_name_refused(local_case, tmp_path):
     """Flat parameters are never exported as tensors: LOCAL files renamed as SHARDED_STATE_DICT ones are refused."""
     case, src = local_case

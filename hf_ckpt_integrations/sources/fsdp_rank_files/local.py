@@ -127,7 +127,13 @@ def plan_tensors(model, files: List[str], states: List[dict], where: str) -> Tup
     as FSDP1 laid them out: ``(tensors, facts, names consumed)`` (the flat parameters and the
     parameters' views; the caller reads every other entry as a plain tensor)."""
     world = len(files)
-    units = [k[: -len(FLAT)].rstrip(".") for k, v in states[0].items() if is_flat_param(k, v)]
+    keys = [k for k, v in states[0].items() if is_flat_param(k, v)]
+    for path, sd in zip(files[1:], states[1:]):
+        odd = sorted(set(keys) ^ {k for k, v in sd.items() if is_flat_param(k, v)})
+        if odd:
+            raise LayoutError(f"{path}: flat parameter {one_line(odd[0][:200])} is in this file or rank 0's only; files "
+                              "of different saves are mixed: copy the checkpoint again")
+    units = [k[: -len(FLAT)].rstrip(".") for k in keys]
     params, aliases, loose = unit_params(model, units, where)
     out: List[TensorPlan] = []
     consumed = set()
