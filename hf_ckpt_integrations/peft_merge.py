@@ -219,8 +219,14 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
     cfg = read_adapter_config(cfg_path)
     _refuse_unmergeable(cfg, cfg_path)
     check_lora_config(cfg, cfg_path)
-    base_dir = resolve_base(adapter_plan.adapter, base)
-    base_plan = build_plan(base_dir)
+    if base is None and adapter_plan.adapter.get("base_in_checkpoint"):
+        # The checkpoint holds the PeftModel's base weights too (verl's rank files): merge into those.
+        base_dir = adapter_plan.source
+        base_plan = build_plan(base_dir, tag=adapter_plan.tag, config=adapter_plan.adapter.get("model_config"),
+                               peft_base=True)
+    else:
+        base_dir = resolve_base(adapter_plan.adapter, base)
+        base_plan = build_plan(base_dir)
     if base_plan.adapter is not None:
         raise OptionError(f"{base_dir}: is itself a PEFT adapter; pass --base the base model's directory")
     lora, replaced = _group(adapter_plan, cfg_path)

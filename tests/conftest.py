@@ -152,6 +152,10 @@ CASES = {
     "rank-accelerate": ("fsdp_rank_files.py", 2, ["--mode", "accelerate"]),
     "rank-accelerate-fsdp1": ("fsdp_rank_files.py", 2, ["--mode", "accelerate-fsdp1"]),  # ShardedTensor
     "rank-fsdp-tp": ("fsdp_rank_files.py", 4, ["--mode", "fsdp-tp"]),  # ("dp", "tp"): _StridedShard
+    # FSDP1 LOCAL_STATE_DICT (tests/test_fsdp1_local.py): flat parameters, use_orig_params off and on.
+    "rank-fsdp1-local": ("fsdp1_local.py", 2, []),
+    # verl's LoRA actor: FSDP2 rank files of a PeftModel + lora_adapter/ (tests/test_verl_lora.py).
+    "rank-verl-lora": ("verl_lora.py", 2, []),
     # DeepSpeed's "checkpoint_serialization": false: torch.save's legacy (non-zip) format.
     "z2-legacy": ("ds_legacy_save.py", 2, ["--stage", "2"]),
     # FSDP2 save-time: install_accelerate_hooks + save_model; the Trainer callback, then a resumed run.

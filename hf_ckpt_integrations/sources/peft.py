@@ -29,7 +29,7 @@ from ..errors import CheckpointError, LayoutError, one_line
 __all__ = ["ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "adapter_names_in", "save_name", "find_adapter_config",
            "is_adapter_config_dir",
            "read_adapter_config", "adapter_plan", "adapter_summary", "is_peft_model", "check_not_empty",
-           "adapter_out_dir", "check_lora_config", "pattern_key", "is_targeted", "pattern_budget",
+           "adapter_out_dir", "check_lora_config", "pattern_key", "is_targeted", "pattern_budget", "base_name", "base_plan",
            "PATTERN_LIMIT"]
 
 from ..formats.names import ADAPTER_CONFIG_NAME  # noqa: E402  (re-exported)
@@ -353,6 +353,7 @@ def adapter_plan(plan, src, *, config: Optional[str] = None):
     # Beside the checkpoint; the parent directory (a save dir's tag, an output dir's checkpoint-N)
     # only when adapter tensors say it is a PEFT checkpoint: a full model is never taken for one.
     dirs = [config, src] + ([os.path.dirname(os.path.abspath(os.fspath(src)))] if adapters else [])
+    dirs += plan.detail.get("adapter_config_dirs", []) if adapters else []  # where the source's engine puts one
     cfg_path = find_adapter_config(dirs, adapters[0] if len(adapters) == 1 else "default")
     if not adapters and cfg_path is None:
         return plan
@@ -368,6 +369,8 @@ def adapter_plan(plan, src, *, config: Optional[str] = None):
     if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
         raise LayoutError(f"{cfg_path}: bias={cfg.get('bias')!r}/lora_bias adapters are not supported; save them "
                           "with PeftModel.save_pretrained")
+    base_held = sum(1 for n in names if base_name(n) is not None)
+    model_config = plan.config_dir
     kept: List = []
     renamed: Dict[str, str] = {}
     for t in plan.tensors:
@@ -383,4 +386,34 @@ def adapter_plan(plan, src, *, config: Optional[str] = None):
     plan.config_dir = None
     plan.notes = [n for n in plan.notes if "config.json" not in n]
     plan.adapter = adapter_summary(cfg, cfg_path, adapter)
+    # The base weights a full PeftModel state dict holds (verl's rank files): --merge-adapters needs no --base.
+    plan.adapter.update({"base_in_checkpoint": base_held, "model_config": model_config if base_held else None})
+    return plan
+
+
+def base_name(name: str) -> Optional[str]:
+    """The base model's name of a frozen base weight a PeftModel's state dict holds
+    (``base_model.model.<module>.base_layer.weight`` -> ``<module>.weight``; a ``modules_to_save``
+    module's ``original_module`` copy likewise); None for an adapter tensor or any other name."""
+    prefix = "base_model.model."
+    if not name.startswith(prefix) or _ADAPTER_SEGMENT.search(name):
+        return None
+    segs = [s for s in name[len(prefix):].split(".") if s not in ("base_layer", "original_module")]
+    return ".".join(segs)
+
+
+def base_plan(plan, src):
+    """``plan`` of a PeftModel's full state dict reduced to the base model it holds: the base weights
+    under the base model's names, the adapter tensors left out (the base a LoRA merge starts from)."""
+    kept = []
+    for t in plan.tensors:
+        out = base_name(t.name)
+        if out is not None:
+            t.name = out
+            kept.append(t)
+    if not kept:
+        raise LayoutError(f"{src}: holds no base model weights beside the adapter; pass --base DIR holding the base "
+                          "model (its config.json and safetensors)")
+    plan.tensors = kept
+    plan.aliases = {}
     return plan

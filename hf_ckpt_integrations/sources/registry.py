@@ -102,12 +102,13 @@ def check_options(options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
 
 def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None,
               config: Optional[str] = None, options: Optional[Mapping[str, Any]] = None,
-              layout_cache: bool = True, keep_fp32_lists: bool = False) -> ExportPlan:
+              layout_cache: bool = True, keep_fp32_lists: bool = False, peft_base: bool = False) -> ExportPlan:
     """``source``'s plan of ``path`` with the shared passes applied (see the module doc).
     ``options``: parsed source options (:func:`check_options`); those ``source`` does not declare
     are left out, with a note. ``layout_cache``: whether the Hub-layout pass may answer from its
     cache. ``keep_fp32_lists``: record the model class's fp32-kept modules whatever the dtype
-    (``inspect`` shows them), from the same config read."""
+    (``inspect`` shows them), from the same config read. ``peft_base``: the plan of the base model a
+    PeftModel's state dict holds (:func:`.peft.base_plan`), not of its adapter."""
     options = dict(options or {})
     mine = {o.name: o for o in source.OPTIONS}
     ignored = sorted(set(options) - set(mine))
@@ -125,7 +126,10 @@ def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[s
     plan.config_dir = config_dir
     if ignored:
         plan.notes.append(f"option(s) {', '.join(ignored)} do not apply to a {source.NAME} checkpoint: ignored")
-    plan = peft.adapter_plan(plan, path, config=adapter_config)  # a PEFT checkpoint: the adapter only
+    if peft_base:
+        plan = peft.base_plan(plan, path)
+    else:
+        plan = peft.adapter_plan(plan, path, config=adapter_config)  # a PEFT checkpoint: the adapter only
     if plan.adapter is None and config_dir is None:
         plan.notes.append("no config.json found next to the checkpoint: pass --config DIR, or the "
                           "exported directory will not load with from_pretrained")

@@ -10,6 +10,8 @@ Who writes them, and where (each rank ``R`` of ``W`` saves its own ``model.state
   ``policy/``.
 - Accelerate's ``save_fsdp_model(..., use_dcp=False)`` under ``SHARDED_STATE_DICT``:
   ``pytorch_model_fsdp_0_rank{R}.bin`` in the output directory.
+- Accelerate's ``save_fsdp_model`` under FSDP1's ``LOCAL_STATE_DICT``: ``pytorch_model_fsdp_rank{R}.bin``,
+  one flat parameter per FSDP unit, split by the config's model in :mod:`.local`.
 
 FSDP2 (and FSDP1 given a device mesh, as verl does) state dicts hold DTensors: the local shard,
 the global size and dtype, the device mesh (its shape and this rank's coordinate) and one
@@ -43,6 +45,7 @@ from ...errors import CheckpointError, LayoutError, one_line, short_repr
 from ...formats import torch_files
 from ...formats.dtypes import MAX_NDIM
 from ...plan import Chunk, ExportPlan, TensorPlan, check_tiling
+from . import local
 from .placement import box_pieces, index_runs, local_indices
 from .stand_ins import ALLOWED, TYPES, DTensorRef, ShardedRef  # ALLOWED: this source's allowlist
 
@@ -51,7 +54,8 @@ __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "OPTION
 
 NAME = "fsdp-rank-files"
 LOOKS_FOR = ("per-rank torch.save FSDP state dicts (verl/SkyRL model_world_size_W_rank_R.pt in global_step_N/, "
-             "actor/ or policy/; Accelerate use_dcp=False pytorch_model_fsdp_0_rankR.bin)")
+             "actor/ or policy/; Accelerate use_dcp=False pytorch_model_fsdp_0_rankR.bin, LOCAL_STATE_DICT "
+             "pytorch_model_fsdp_rankR.bin)")
 MEMORY_NAMES = True  # FSDP state dicts use the model's own parameter names
 TIED_UNDER_BOTH_NAMES = True  # and hold a tied weight under both names
 OPTIONS = ()
@@ -64,6 +68,7 @@ _MODEL_DIRS = ("actor", "policy")  # verl's actor (the policy; critic/ beside it
 _LATEST = "latest_checkpointed_iteration.txt"
 _FSDP_CONFIG = "fsdp_config.json"
 _HF_DIR = "huggingface"
+_LORA_DIR = "lora_adapter"  # verl's fsdp worker writes a LoRA actor's adapter (config + weights) there
 
 
 # ---- where the files are ---------------------------------------------------------------------
@@ -118,10 +123,6 @@ def find_rank_files(model_dir: str) -> Tuple[str, int, List[str]]:
     (naming the file) when a rank is missing, two world sizes are mixed, or ``fsdp_config.json``
     records another world size."""
     found = _rank_names(model_dir)
-    if "local" in found and len(found) == 1:
-        raise CheckpointError(f"{os.path.join(model_dir, found['local'][0][1])}: an FSDP1 LOCAL_STATE_DICT save (flat "
-                              "parameters per rank), which hf-ckpt does not read; save with SHARDED_STATE_DICT "
-                              "(use_dcp=True or False) or FULL_STATE_DICT")
     if "verl" in found:
         layout, entries = "verl", found["verl"]
         sizes = sorted({int(_VERL_RE.match(n).group(1)) for _, n in entries})
@@ -130,15 +131,16 @@ def find_rank_files(model_dir: str) -> Tuple[str, int, List[str]]:
                                   "step directory")
         world = sizes[0]
     else:
-        layout, entries = "accelerate", found["accelerate"]
+        layout = "accelerate" if "accelerate" in found else "local"
+        entries = found[layout]
         world = max(r for r, _ in entries) + 1
     by_rank = dict(entries)
     if world < 1 or world > 1_000_000:
         raise CheckpointError(f"{model_dir}: world size {world} is not one a save writes")
     missing = [r for r in range(world) if r not in by_rank]
     if missing:
-        name = (f"model_world_size_{world}_rank_{missing[0]}.pt" if layout == "verl"
-                else f"pytorch_model_fsdp_0_rank{missing[0]}.bin")
+        name = {"verl": f"model_world_size_{world}_rank_{missing[0]}.pt", "local": f"pytorch_model_fsdp_rank{missing[0]}.bin",
+                "accelerate": f"pytorch_model_fsdp_0_rank{missing[0]}.bin"}[layout]
         raise CheckpointError(f"{os.path.join(model_dir, name)}: missing (the save has {world} ranks; "
                               f"{len(missing)} rank file(s) missing); copy every rank's file of the checkpoint")
     cfg_path = os.path.join(model_dir, _FSDP_CONFIG)
@@ -281,14 +283,20 @@ def _plain_shard(ref: torch_files.TensorRef, rank) -> _Shard:
                   "whole on every rank")
 
 
-def _read_rank(path, rank) -> Tuple[Dict[str, _Shard], dict, int]:
-    sd = torch_files.load(path, allowed=ALLOWED)
+def _read_rank(path, rank, sd=None, skip=()) -> Tuple[Dict[str, _Shard], dict, int]:
+    sd = torch_files.load(path, allowed=ALLOWED) if sd is None else sd
     if not isinstance(sd, dict):
         raise LayoutError(f"{path}: holds {type(sd).__name__}, not a state dict; pass the model's rank files")
     out, facts, skipped = {}, {}, 0
     for name, value in sd.items():
         if type(name) is not str:
             raise LayoutError(f"{path}: key {short_repr(name)} is not a name; the file is corrupt")
+        if name in skip:
+            continue
+        if local.is_flat_param(name, value):  # renamed LOCAL_STATE_DICT files: never exported as a tensor
+            raise LayoutError(f"{path}: holds FSDP1 flat parameter {one_line(name[:200])} (a LOCAL_STATE_DICT save) "
+                              "under a SHARDED_STATE_DICT file name; keep the name it was saved under "
+                              "(pytorch_model_fsdp_rank{R}.bin)")
         if isinstance(value, DTensorRef):
             out[name], f = _dtensor_shard(one_line(name[:200]), value, path, rank)
             facts.setdefault(", ".join(f["placements"]), f)
@@ -311,8 +319,13 @@ def plan(ctx) -> ExportPlan:
     ranks = []
     facts: Dict[str, dict] = {}
     skipped = 0
+    flat_tensors, flat_facts, states, consumed = [], None, [None] * world, set()
+    if layout == "local":
+        states = local.load_states(files)
+        flat_tensors, flat_facts, consumed = local.plan_tensors(local.meta_model_for(ctx, files[0]), files, states,
+                                                                model_dir)
     for r, path in enumerate(files):
-        shards, f, s = _read_rank(path, r)
+        shards, f, s = _read_rank(path, r, states[r], consumed)
         ranks.append(shards)
         facts.update(f)
         skipped = max(skipped, s)
@@ -322,13 +335,15 @@ def plan(ctx) -> ExportPlan:
             odd = sorted(set(shards) ^ set(names))[0]
             raise LayoutError(f"{files[r]}: holds {len(shards)} tensors, rank 0's file {len(names)} ({one_line(odd[:100])} "
                               "is in one only); files of different saves are mixed: copy the checkpoint again")
-    out = []
+    out = list(flat_tensors)
     split = 0
     for name in names:
         out.append(_tensor(name, [shards[name] for shards in ranks], files))
         split += out[-1].chunks is not None and len(out[-1].chunks) > 1
     dtypes = {t.src_dtype for t in out}
     mesh = max((f for f in facts.values() if f["mesh"]), key=lambda f: len(f["mesh"]), default=None)  # the widest
+    if flat_facts:
+        facts["flat parameter"] = {"mesh": None, "dim_names": [], "placements": ["flat parameter"]}
     notes = [f"per-rank torch.save files ({layout}): {world} ranks"
              + (f", mesh {mesh['mesh']}" + (f" {mesh['dim_names']}" if mesh["dim_names"] else "") if mesh else "")
              + f"; placements: {'; '.join(sorted(facts)) or 'none (plain tensors)'}"]
@@ -339,8 +354,19 @@ def plan(ctx) -> ExportPlan:
         notes.append(f"exported {os.path.basename(model_dir)}/; {', '.join(others)}/ beside it is not exported")
     detail = {"world_size": world, "layout": layout,
               "placements": {k: sum(1 for n in names if ranks[0][n].describe == k) for k in sorted(facts)}}
+    if flat_facts:
+        detail["placements"]["flat parameter"] = len(flat_tensors)
+        detail["flat_parameters"] = flat_facts
+        notes.append(f"{flat_facts['units']} FSDP1 flat parameter(s) split into {len(flat_tensors)} parameters by the "
+                     "shapes of the config's model ("
+                     + ("no padding between parameters" if flat_facts["alignment"] == [0] else
+                        f"parameters aligned to {' or '.join(map(str, flat_facts['alignment']))} elements: one layout")
+                     + (", each parameter's use_orig_params view where the layout puts it" if flat_facts["views"]
+                        else "") + ")")
     if mesh:
         detail.update({"mesh": mesh["mesh"], "mesh_dim_names": mesh["dim_names"]})
+    if os.path.isdir(os.path.join(model_dir, _LORA_DIR)):  # verl's LoRA actor: its adapter_config.json
+        detail["adapter_config_dirs"] = [os.path.join(model_dir, _LORA_DIR)]
     return ExportPlan(engine=NAME, source=os.path.abspath(ctx.path), tag=None, tensors=out,
                       dtypes={"module": dtypes.pop()} if len(dtypes) == 1 else {}, config_dir=ctx.config_dir,
                       files=files, notes=notes, detail=detail)
