@@ -94,7 +94,7 @@ def verify_checkpoint(dst, against, *, tag: Optional[str] = None, config: Option
     from .sources.registry import find_source
     from .sources.universal import is_universal_dir
 
-    if is_universal_dir(dst) and find_source(os.fspath(against), tag).NAME == "deepspeed":
+    if is_universal_dir(dst) and find_source(os.fspath(against), tag).NAME in ("deepspeed", "deepspeed-pipeline"):
         from .universal_writer import verify_universal  # a universal checkpoint: every state, bitwise
 
         return verify_universal(dst, against, tag=tag, config=config, tp_rules=tp_rules)

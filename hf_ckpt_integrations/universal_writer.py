@@ -72,26 +72,51 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
     from .sources.protocol import PlanContext
     from .sources.registry import find_source
 
+    from .sources.deepspeed import pipeline
+
     src = os.path.abspath(os.fspath(src))
     source = find_source(src, tag)
-    if source is not ds:
+    if source is not ds and source is not pipeline:
         raise CheckpointError(f"{src}: a {source.NAME} checkpoint; a universal checkpoint is written from a "
-                              "DeepSpeed ZeRO save (engine.save_checkpoint output) only")
+                              "DeepSpeed save (engine.save_checkpoint output: ZeRO, or a PipelineModule's) only")
     if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
         raise CheckpointError(f"{config}: no config.json there; pass --config a directory holding the model's "
                               "config.json")
-    config_dir = config if config is not None else find_config_dir(ds.config_candidates(src, tag))
+    config_dir = config if config is not None else find_config_dir(source.config_candidates(src, tag))
     ctx = PlanContext(src, tag=tag, options={"tp_rules": list(tp_rules or [])}, config_dir=config_dir)
-    plan = ds.plan(ctx)
+    # A PipelineModule save keeps the module's own names ("{layer}.{name}", what load_universal looks up);
+    # its name map (from the config's model_type) gives only the TP rules.
+    plan = pipeline.universal_plan(ctx) if source is pipeline else ds.plan(ctx)
     plan.config_dir = config_dir
     check_plan(plan)
     tag_dir, _ = resolve_tag_dir(src, tag)
     for t in plan.tensors:
         _check_name(t.name, tag_dir)
-    states = OptimizerStates(tag_dir)
-    _, models = find_rank_files(tag_dir)
-    first = models[0].get(None) or models[0].get(0)
+    if source is pipeline:
+        optim, models = pipeline.rank_files(tag_dir)
+        states, first = OptimizerStates(tag_dir, optim), models[0]
+        if not any(optim.values()):
+            _without_zero(plan, states, load(first), first)
+    else:
+        states = OptimizerStates(tag_dir)
+        _, models = find_rank_files(tag_dir)
+        first = models[0].get(None) or models[0].get(0)
     return plan, states, load(first)
+
+
+def _without_zero(plan, states, model, path) -> None:
+    """A save without ZeRO: its weights are the fp32 masters, but the torch optimizer's state dict
+    (in ``path``) keys the states by position, which no file ties to a parameter name: the masters
+    and the hyperparameters are carried, the moments are not (the loader then starts them afresh)."""
+    optimizer = model.get("optimizer")
+    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+    if not isinstance(groups, list):
+        raise CheckpointError(f"{path}: a save without ZeRO whose optimizer records no param_groups; not an "
+                              "optimizer this writer knows")
+    states.param_groups, states.fields = groups, {}
+    plan.notes.append(f"no ZeRO: {path} keys the optimizer states by position, not by name; the universal "
+                      "checkpoint holds the fp32 weights and the optimizer hyperparameters only: the resumed run "
+                      "starts exp_avg/exp_avg_sq and the step afresh")
 
 
 _SAFE_NAME = re.compile(r"^[^/\\\x00]{1,255}$")

@@ -39,7 +39,7 @@ from .tp_merge import all_identical
 from .zero12 import plan_zero12
 
 __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "ALLOWED", "LAYER_RE", "detect", "config_candidates",
-           "plan", "is_pipeline_tag"]
+           "plan", "universal_plan", "rank_files", "is_pipeline_tag"]
 
 NAME = "deepspeed-pipeline"
 LOOKS_FOR = "a DeepSpeed PipelineModule save (layer_XX[-model_YY]-model_states.pt beside mp_rank_XX files)"
@@ -56,6 +56,8 @@ OPTIONS = (
                  repeated=True, default=[]),
 )
 
+# A name map's row_bias in a universal checkpoint: the parameter each rank holds, one copy (see plan()).
+UNIVERSAL_ROW_BIAS = "row_bias:universal"
 LAYER_RE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 _ANY_LAYER_RE = re.compile(r"^layer_\d+(?:-[a-z]+_\d+)*-model_states\.pt$")
 
@@ -99,6 +101,13 @@ class _OptimFile:
             check_optim_types(osd, self.path)
             self._osd = osd
         return self._osd
+
+
+def rank_files(tag_dir: str):
+    """``(optim, models)`` of a pipeline tag dir: ``optim[mp][dp]`` its optimizer files (``path``,
+    ``osd``; empty without ZeRO), ``models[mp]`` the path of ``mp_rank_{mp}_model_states.pt``."""
+    _, models, optim = _list_files(tag_dir)
+    return optim, models
 
 
 def _list_files(tag_dir):
@@ -192,6 +201,20 @@ def plan(ctx: PlanContext) -> ExportPlan:
 
     Options: ``name_map`` (a :class:`.name_map.NameMap` from ``--source-option name_map=FILE``),
     ``tp_rules`` (``--tp-rule``). Raises :class:`CheckpointError` for what it cannot prove."""
+    return _plan(ctx, universal=False)
+
+
+def universal_plan(ctx: PlanContext) -> ExportPlan:
+    """The plan of a universal checkpoint of the save (:mod:`...universal_writer`), read as
+    :func:`plan` reads it, except: the parameters keep the ``PipelineModule``'s own names
+    (``"{layer}.{name}"``: what DeepSpeed's ``load_universal`` looks up, ``engine.param_names``, at
+    any stage count since layer indices are global); the name map, when one is chosen, gives only
+    the TP rules; a row-parallel bias is what every TP rank's module holds (one copy, the others
+    checked equal: the loader copies it to every rank), never the sum; no config is required."""
+    return _plan(ctx, universal=True)
+
+
+def _plan(ctx: PlanContext, *, universal: bool) -> ExportPlan:
     src = os.path.abspath(ctx.path)
     out_dtype = dtype_from_name(ctx.dtype)  # noqa: F841  (checked here: an unknown dtype is refused early)
     try:
@@ -298,7 +321,7 @@ def plan(ctx: PlanContext) -> ExportPlan:
         layer_names.setdefault(layer, []).append(inner)
     blocks = name_map.blocks(layer_names) if name_map else {}
     parallel_residual = None
-    out, dropped = [], []
+    out, dropped, row_biases = [], [], []
     seen = {}
     for n in names:
         layer, inner = split_native(n)
@@ -314,7 +337,7 @@ def plan(ctx: PlanContext) -> ExportPlan:
             if entry.drop is not None:
                 dropped.append(f"{n} ({entry.drop})")
                 continue
-        hf = name_map.hf_name(entry, layer, blocks) if entry else n
+        hf = n if universal or not entry else name_map.hf_name(entry, layer, blocks)
         if hf in seen:
             raise LayoutError(f"{tag_dir}: {seen[hf]} and {n} both map to {hf}; fix the name map")
         seen[hf] = n
@@ -324,12 +347,15 @@ def plan(ctx: PlanContext) -> ExportPlan:
             out.append(TensorPlan(hf, t0.shape, t0.src_dtype, t0.parts, kind=t0.kind, module_check=t0.module_check))
             continue
         tp_value = entry.tp if entry else None
-        if tp_value == ROW_BIAS and parallel_residual is None:
+        if tp_value == ROW_BIAS and universal:
+            row_biases.append(n)
+            tp_value = UNIVERSAL_ROW_BIAS
+        elif tp_value == ROW_BIAS and parallel_residual is None:
             parallel_residual = _parallel_residual(ctx)
         merged = _merge(hf, n, slices, tp_value, parallel_residual, info, user_rules, name_map)
         out.append(merged)
 
-    if name_map is not None and ctx.config_dir is not None:
+    if name_map is not None and ctx.config_dir is not None and not universal:
         _check_against_config(out, ctx.config_dir)
 
     files = sorted({p.path for t in out for part in t.parts + t.replicas for p in part} | set(models.values()) |
@@ -359,7 +385,21 @@ def plan(ctx: PlanContext) -> ExportPlan:
         plan_.notes.append(f"not written (name map): {', '.join(dropped[:4])}{' ...' if len(dropped) > 4 else ''}")
     if not optim:
         plan_.notes.append("no optimizer partitions (no ZeRO): the layer files' weights are exported")
+    residual = ctx.config.get("use_parallel_residual")
+    if row_biases and tp > 1 and residual is not False:
+        said = "the config's use_parallel_residual" if residual is True else "if the model uses it: the config does not say"
+        plan_.notes.append(_ROW_BIAS_NOTE.format(n=len(row_biases), tp=tp, first=row_biases[0], said=said))
     return plan_
+
+
+# A row-parallel bias under the parallel residual is added by every TP rank, so the model's bias is
+# tp x the parameter: no single universal value keeps the function at every TP size (the loader copies
+# it to each rank). The parameter as trained is written; the user is told what changes.
+_ROW_BIAS_NOTE = ("{n} row-parallel biases ({first}, ...) are written as each TP rank holds them (one copy, the "
+                  "others checked equal); with the parallel residual ({said}; GPT-NeoX's gpt_j_residual) every TP "
+                  "rank adds its copy, so the model adds tp x this bias: resumed at TP {tp} the model computes what "
+                  "the saved one did; at another TP size those biases count (new tp)/{tp} times as much "
+                  "(docs: 'Pipeline parallelism')")
 
 
 def _check_against_config(tensors, config_dir) -> None:
@@ -423,6 +463,8 @@ def _parallel_residual(ctx) -> bool:
 
 
 def _rule_for(hf, native, slices, tp_value, parallel_residual, info, user_rules, name_map):
+    if tp_value == UNIVERSAL_ROW_BIAS:
+        return Rule(None, f"{name_map.source}: row_bias, universal checkpoint: one copy (each TP rank's parameter)"), None
     if info is not None:
         rule = rule_from_universal_info(native, info)
         if rule is not None:
