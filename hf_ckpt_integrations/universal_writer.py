@@ -78,7 +78,7 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
     source = find_source(src, tag)
     if source is not ds and source is not pipeline:
         raise CheckpointError(f"{src}: a {source.NAME} checkpoint; a universal checkpoint is written from a "
-                              "DeepSpeed save (engine.save_checkpoint output: ZeRO, or a PipelineModule's) only")
+                              "DeepSpeed ZeRO save or PipelineModule save (engine.save_checkpoint output) only")
     if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
         raise CheckpointError(f"{config}: no config.json there; pass --config a directory holding the model's "
                               "config.json")
