@@ -1,0 +1,27 @@
+"""`hf-ckpt verify DST --against SRC` of a pipeline export without --config: a pipeline save keeps no
+HF config beside it (GPT-NeoX keeps its YAML), and the HF names come from one, so verify reads the
+config.json the export wrote into DST (a config beside the source, or --config, still comes first)."""
+
+import json
+
+import pytest
+
+from helpers import hf_ckpt
+
+pytestmark = pytest.mark.engine
+
+
+def test_verify_takes_the_exports_own_config(engine_ckpt, tmp_path):
+    run = engine_ckpt("pipe-tp2-fp32-par")
+    dst = tmp_path / "hf"
+    r = hf_ckpt("export", run / "ckpt", dst, "--config", run / "config")
+    assert r.returncode == 0, r.stderr[-2000:]
+    v = hf_ckpt("verify", dst, "--against", run / "ckpt")
+    assert v.returncode == 0 and "28 tensors bitwise equal" in v.stdout, v.stdout[-2000:] + v.stderr[-2000:]
+    # It is DST's config that decides: flipped to the sequential residual, the summed row-parallel
+    # biases no longer match what that config says they are.
+    c = json.loads((dst / "config.json").read_text())
+    c["use_parallel_residual"] = False
+    (dst / "config.json").write_text(json.dumps(c))
+    v = hf_ckpt("verify", dst, "--against", run / "ckpt")
+    assert v.returncode == 1 and "attention.dense.bias" in v.stdout, v.stdout[-2000:] + v.stderr[-2000:]
