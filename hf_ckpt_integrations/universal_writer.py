@@ -62,8 +62,10 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
                    tp_rules: Optional[Sequence[str]] = None):
     """``(plan, states, model_fields)``: the DeepSpeed source's plan of the fp32 masters (in-memory
     parameter names; no Hub-layout pass, no dtype change), the :class:`OptimizerStates` beside them
-    and the first model-states file's fields. Refuses what is not a DeepSpeed ZeRO save, and what
-    the export refuses (a TP-split tensor with no rule, replicas that disagree)."""
+    and the first model-states file's fields. A ``PipelineModule`` save is planned by its own reader
+    under the module's parameter names (:func:`.sources.deepspeed.pipeline.universal_plan`). Refuses
+    what is not a DeepSpeed ZeRO or pipeline save, and what the export refuses (a TP-split tensor with
+    no rule, replicas that disagree)."""
     from .sources import deepspeed as ds
     from .sources.deepspeed.allowlist import load
     from .sources.deepspeed.optim_states import OptimizerStates

@@ -6,7 +6,7 @@ import torch
 
 from hf_ckpt_integrations.plan import Piece, TensorPlan
 from hf_ckpt_integrations.sources.deepspeed import name_map as nm
-from hf_ckpt_integrations.sources.deepspeed import pipeline
+from hf_ckpt_integrations.sources.deepspeed import pipeline_tp
 
 
 def _slices(tmp_path):
@@ -19,8 +19,8 @@ def _slices(tmp_path):
 def test_a_row_bias_is_summed_for_hf_and_kept_per_rank_for_universal(tmp_path):
     m = nm.builtin_map("gpt_neox")
     args = ("gpt_neox.layers.0.attention.dense.bias", "2.attention.dense.bias", _slices(tmp_path))
-    hf = pipeline._merge(*args, nm.ROW_BIAS, True, None, [], m)
+    hf = pipeline_tp.merge_slices(*args, nm.ROW_BIAS, True, None, [], m)
     assert hf.reduce == "sum" and len(hf.parts) == 2
-    uc = pipeline._merge(*args, pipeline.UNIVERSAL_ROW_BIAS, True, None, [], m)
+    uc = pipeline_tp.merge_slices(*args, pipeline_tp.UNIVERSAL_ROW_BIAS, True, None, [], m)
     assert uc.reduce is None and len(uc.parts) == 1 and len(uc.replicas) == 1 and uc.shape == (3,)
     assert "universal checkpoint: one copy" in uc.rule

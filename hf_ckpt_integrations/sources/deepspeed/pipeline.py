@@ -15,9 +15,9 @@ What ``engine.save_checkpoint`` writes for a ``PipelineModule`` (DeepSpeed 0.19.
   ``zero_stage``). Without them (fp32, no ZeRO) the layer files are the weights.
 
 The masters are placed by :mod:`.zero12` (every partition proven against the layer files'
-weights), TP slices are merged by rules (the checkpoint's ``universal_checkpoint_info``, the
-name map's ``tp``, ``--tp-rule``, or byte-identical slices: one copy), never concatenating a
-replica, and renamed to HF names by the map the HF config's ``model_type`` chooses (:mod:`.name_map`).
+weights), TP slices are merged by rules (:mod:`.pipeline_tp`: the checkpoint's
+``universal_checkpoint_info``, the name map's ``tp``, ``--tp-rule``, or byte-identical slices: one
+copy), never concatenating a replica, and renamed to HF names by the map the HF config's ``model_type`` chooses (:mod:`.name_map`).
 """
 
 import os
@@ -30,12 +30,12 @@ from ...formats.dtypes import from_user as dtype_from_name
 from ...formats.torch_files import TensorRef
 from ...plan import ExportPlan, TensorPlan
 from ..protocol import PlanContext, SourceOption
-from ..tp_rules import REPLICATED, Rule, concat_shape, parse_user_rule, rule_from_universal_info, rule_from_user
+from ..tp_rules import parse_user_rule
 from .allowlist import ALLOWED, load
 from .fields import check_model_types, check_optim_types, meta_int, require, tensor_pieces
 from .name_map import ROW_BIAS, builtin_map, builtin_types, load_map, split_native
+from .pipeline_tp import ROW_BIAS_NOTE, UNIVERSAL_ROW_BIAS, merge_slices, parallel_residual
 from .rank_files import MODEL_RE, OPTIM_RE, claim, resolve_tag_dir
-from .tp_merge import all_identical
 from .zero12 import plan_zero12
 
 __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "ALLOWED", "LAYER_RE", "detect", "config_candidates",
@@ -56,8 +56,6 @@ OPTIONS = (
                  repeated=True, default=[]),
 )
 
-# A name map's row_bias in a universal checkpoint: the parameter each rank holds, one copy (see plan()).
-UNIVERSAL_ROW_BIAS = "row_bias:universal"
 LAYER_RE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 _ANY_LAYER_RE = re.compile(r"^layer_\d+(?:-[a-z]+_\d+)*-model_states\.pt$")
 
@@ -320,7 +318,7 @@ def _plan(ctx: PlanContext, *, universal: bool) -> ExportPlan:
         layer, inner = split_native(n)
         layer_names.setdefault(layer, []).append(inner)
     blocks = name_map.blocks(layer_names) if name_map else {}
-    parallel_residual = None
+    residual_sum = None  # the config's use_parallel_residual, read when a row-parallel bias needs it
     out, dropped, row_biases = [], [], []
     seen = {}
     for n in names:
@@ -350,9 +348,9 @@ def _plan(ctx: PlanContext, *, universal: bool) -> ExportPlan:
         if tp_value == ROW_BIAS and universal:
             row_biases.append(n)
             tp_value = UNIVERSAL_ROW_BIAS
-        elif tp_value == ROW_BIAS and parallel_residual is None:
-            parallel_residual = _parallel_residual(ctx)
-        merged = _merge(hf, n, slices, tp_value, parallel_residual, info, user_rules, name_map)
+        elif tp_value == ROW_BIAS and residual_sum is None:
+            residual_sum = parallel_residual(ctx)
+        merged = merge_slices(hf, n, slices, tp_value, residual_sum, info, user_rules, name_map)
         out.append(merged)
 
     if name_map is not None and ctx.config_dir is not None and not universal:
@@ -388,18 +386,8 @@ def _plan(ctx: PlanContext, *, universal: bool) -> ExportPlan:
     residual = ctx.config.get("use_parallel_residual")
     if row_biases and tp > 1 and residual is not False:
         said = "the config's use_parallel_residual" if residual is True else "if the model uses it: the config does not say"
-        plan_.notes.append(_ROW_BIAS_NOTE.format(n=len(row_biases), tp=tp, first=row_biases[0], said=said))
+        plan_.notes.append(ROW_BIAS_NOTE.format(n=len(row_biases), tp=tp, first=row_biases[0], said=said))
     return plan_
-
-
-# A row-parallel bias under the parallel residual is added by every TP rank, so the model's bias is
-# tp x the parameter: no single universal value keeps the function at every TP size (the loader copies
-# it to each rank). The parameter as trained is written; the user is told what changes.
-_ROW_BIAS_NOTE = ("{n} row-parallel biases ({first}, ...) are written as each TP rank holds them (one copy, the "
-                  "others checked equal); with the parallel residual ({said}; GPT-NeoX's gpt_j_residual) every TP "
-                  "rank adds its copy, so the model adds tp x this bias: resumed at TP {tp} the model computes what "
-                  "the saved one did; at another TP size those biases count (new tp)/{tp} times as much "
-                  "(docs: 'Pipeline parallelism')")
 
 
 def _check_against_config(tensors, config_dir) -> None:
@@ -450,68 +438,3 @@ def _choose_map(ctx):
                               f"pipeline name map (maps: {', '.join(builtin_types())}); pass --source-option "
                               "name_map=FILE mapping the pipeline's names to this model's (docs: 'Pipeline parallelism')")
     return m, f"names from the {m.source}"
-
-
-def _parallel_residual(ctx) -> bool:
-    value = ctx.config.get("use_parallel_residual") if ctx.config_dir else None
-    if not isinstance(value, bool):
-        where = f"{ctx.config_dir}/config.json" if ctx.config_dir else "the checkpoint"
-        raise CheckpointError(f"{where}: records no use_parallel_residual (true/false), which decides how the TP "
-                              "ranks' row-parallel biases merge (their sum, or one copy); pass --config DIR with the "
-                              "model's config.json")
-    return value
-
-
-def _rule_for(hf, native, slices, tp_value, parallel_residual, info, user_rules, name_map):
-    if tp_value == UNIVERSAL_ROW_BIAS:
-        return Rule(None, f"{name_map.source}: row_bias, universal checkpoint: one copy (each TP rank's parameter)"), None
-    if info is not None:
-        rule = rule_from_universal_info(native, info)
-        if rule is not None:
-            return rule, None
-    if tp_value == ROW_BIAS:
-        if parallel_residual:
-            return None, "sum"
-        return Rule(None, f"{name_map.source}: row_bias, use_parallel_residual=false: one copy"), None
-    if tp_value is not None:
-        dim = None if tp_value == REPLICATED else int(tp_value)
-        return Rule(dim, f"{name_map.source}: {tp_value}"), None
-    rule = rule_from_user(hf, user_rules) or (rule_from_user(native, user_rules) if native != hf else None)
-    if rule is None and all_identical({hf: slices}):
-        rule = Rule(None, "slices are byte-identical")
-    if rule is None:
-        raise LayoutError(f"{native}: its {len(slices)} tensor-parallel slices {[list(s.shape) for s in slices]} "
-                          "differ and no rule covers it (no universal_checkpoint_info, no name map entry); pass "
-                          f"--tp-rule '{hf}=0' (split rows), '=1' (split columns) or '=replicated'")
-    return rule, None
-
-
-def _merge(hf, native, slices, tp_value, parallel_residual, info, user_rules, name_map) -> TensorPlan:
-    first = slices[0]
-    rule, reduce = _rule_for(hf, native, slices, tp_value, parallel_residual, info, user_rules, name_map)
-    shapes = [s.shape for s in slices]
-    if reduce == "sum" or (rule is not None and rule.replicated):
-        if any(s != first.shape for s in shapes):
-            what = "row_bias (every rank holds the whole bias)" if reduce else f"replicated ({rule.source})"
-            raise LayoutError(f"{native}: {what}, but the TP ranks hold shapes {[list(s) for s in shapes]}; fix the "
-                              "name map or pass --tp-rule")
-        if reduce == "sum":
-            # Parallel residual: each rank adds its bias before the all-reduce, so the model's bias is the
-            # sum over ranks (summed in rank order in fp32, as the all-reduce of the outputs adds them).
-            return TensorPlan(hf, first.shape, first.src_dtype, [s.parts[0] for s in slices], kind=first.kind,
-                              part_shapes=[tuple(first.shape)] * len(slices), reduce="sum",
-                              rule=f"{name_map.source}: row_bias, use_parallel_residual=true: sum over TP ranks")
-        return TensorPlan(hf, first.shape, first.src_dtype, first.parts, kind=first.kind, rule=rule.source,
-                          replicas=[s.parts[0] for s in slices[1:]], module_check=first.module_check)
-    try:
-        shape = concat_shape(shapes, rule.dim)
-    except ValueError as e:
-        raise LayoutError(f"{native}: {e} (rule from {rule.source}); fix the name map or pass --tp-rule") from None
-    keep = rule.keep_rows if rule.keep_rows is not None and shape[0] > rule.keep_rows else None
-    if keep is not None:
-        shape = (keep,) + shape[1:]
-    check = None
-    if all(s.module_check is not None for s in slices):
-        check = ([s.module_check[0][0] for s in slices], [s.module_check[1][0] for s in slices])
-    return TensorPlan(hf, shape, first.src_dtype, [s.parts[0] for s in slices], kind=first.kind, cat_dim=rule.dim,
-                      part_shapes=shapes, keep_rows=keep, rule=rule.source, module_check=check)
