@@ -12,10 +12,11 @@ pytestmark = pytest.mark.engine
 
 
 def test_verify_takes_the_exports_own_config(engine_ckpt, tmp_path):
+    from hf_ckpt_integrations import export_checkpoint, verify_checkpoint
+
     run = engine_ckpt("pipe-tp2-fp32-par")
     dst = tmp_path / "hf"
-    r = hf_ckpt("export", run / "ckpt", dst, "--config", run / "config")
-    assert r.returncode == 0, r.stderr[-2000:]
+    export_checkpoint(run / "ckpt", dst, config=str(run / "config"))
     v = hf_ckpt("verify", dst, "--against", run / "ckpt")
     assert v.returncode == 0 and "28 tensors bitwise equal" in v.stdout, v.stdout[-2000:] + v.stderr[-2000:]
     # It is DST's config that decides: flipped to the sequential residual, the summed row-parallel
@@ -23,5 +24,5 @@ def test_verify_takes_the_exports_own_config(engine_ckpt, tmp_path):
     c = json.loads((dst / "config.json").read_text())
     c["use_parallel_residual"] = False
     (dst / "config.json").write_text(json.dumps(c))
-    v = hf_ckpt("verify", dst, "--against", run / "ckpt")
-    assert v.returncode == 1 and "attention.dense.bias" in v.stdout, v.stdout[-2000:] + v.stderr[-2000:]
+    report = verify_checkpoint(dst, run / "ckpt")
+    assert not report.ok and any("attention.dense.bias" in d for d in report.differences), report.differences
