@@ -99,3 +99,21 @@ def test_a_save_without_zero_carries_its_weights_and_says_the_moments_are_not(en
     assert optim["param_groups"][0]["lr"] == 1e-2
     v = hf_ckpt("verify", dst, "--against", run / "ckpt", "--config", run / "config")
     assert v.returncode == 0 and "28 tensors" in v.stdout, v.stdout[-2000:] + v.stderr[-2000:]
+
+
+def test_without_a_config_tp_rules_on_module_names_give_the_same_checkpoint(engine_ckpt, tmp_path):
+    """A fork with no HF config (seed 001's): --tp-rule on the module's own names merges the split
+    parameters; the rest are byte-identical over TP (one copy). The files equal those the built-in map
+    gives, and the output says that no row-parallel bias was recognised as one."""
+    run = engine_ckpt("pipe-tp2-fp32-par")
+    src = tmp_path / "src"  # no config beside it
+    __import__("shutil").copytree(run / "ckpt", src)
+    rules = ["*word_embeddings.weight=0", "*.query_key_value.*=0", "*.dense_h_to_4h.*=0", "*.dense.weight=1",
+             "*.dense_4h_to_h.weight=1", "*final_linear.weight=0"]
+    bare, mapped = tmp_path / "bare" / "t", tmp_path / "mapped" / "t"
+    r = hf_ckpt("universal", src, bare, *[a for x in rules for a in ("--tp-rule", x)])
+    assert r.returncode == 0 and "no row-parallel bias is recognised" in r.stderr, r.stderr[-2000:]
+    _universal(run, mapped)
+    files = sorted(p.relative_to(mapped / "zero") for p in (mapped / "zero").rglob("*.pt"))
+    assert files == sorted(p.relative_to(bare / "zero") for p in (bare / "zero").rglob("*.pt")) and len(files) == 113
+    assert all((bare / "zero" / f).read_bytes() == (mapped / "zero" / f).read_bytes() for f in files)

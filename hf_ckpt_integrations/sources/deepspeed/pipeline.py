@@ -313,6 +313,11 @@ def _plan(ctx: PlanContext, *, universal: bool) -> ExportPlan:
     names.sort(key=lambda n: split_native(n)[0])  # layer order, then each layer's own order
 
     name_map, map_note = _choose_map(ctx)
+    if universal and name_map is None:
+        map_note = ("no config.json and no name map: TP slices merge by the recorded universal_checkpoint_info, "
+                    "--tp-rule or byte-identical slices only, and no row-parallel bias is recognised as one; pass "
+                    f"--config DIR (a config of a model type with a built-in map: {', '.join(builtin_types())}) for "
+                    "the map's rules")
     layer_names: Dict[int, List[str]] = {}
     for n in names:
         layer, inner = split_native(n)
