@@ -243,7 +243,8 @@ def verify_command_parser(subparsers=None):
     p.add_argument("dst", help="the exported HuggingFace directory")
     p.add_argument("--against", required=True, help="the source checkpoint it was exported from")
     p.add_argument("--tag", help="tag of the source (default: the one named by 'latest')")
-    p.add_argument("--config", help="directory holding config.json (default: next to the source)")
+    p.add_argument("--config", help="directory holding config.json (default: next to the source; for a pipeline "
+                   "save that keeps none there, DST's own config.json)")
     _source_args(p)
     p.set_defaults(func=verify_command)
     return p
@@ -264,14 +265,15 @@ def verify_command(args) -> int:
 
 
 def universal_command_parser(subparsers=None):
-    p = _parser(subparsers, "universal", "Write a DeepSpeed universal checkpoint of a ZeRO save, to resume training at "
-                "another tensor/data-parallel size. Load it with \"checkpoint\": {\"load_universal\": true} in the "
+    p = _parser(subparsers, "universal", "Write a DeepSpeed universal checkpoint of a ZeRO or PipelineModule save, to resume "
+                "training at another tensor/pipeline/data-parallel size. Load it with \"checkpoint\": {\"load_universal\": true} in the "
                 "DeepSpeed config and engine.load_checkpoint(PARENT, tag=NAME), where DST is PARENT/NAME.")
-    p.add_argument("src", help="DeepSpeed save dir, tag dir, or Trainer checkpoint-N dir (ZeRO-1/2/3)")
+    p.add_argument("src", help="DeepSpeed save dir, tag dir, or Trainer checkpoint-N dir (ZeRO-1/2/3, or a "
+                   "PipelineModule's: its parameters keep the module's own names)")
     p.add_argument("dst", help="new directory to write (the tag directory DeepSpeed loads; never inside SRC)")
     p.add_argument("--tag", help="tag to read (default: the one named by 'latest')")
-    p.add_argument("--config", help="directory holding config.json, whose HF tp plan tells how tensor-parallel "
-                   "slices merge (default: next to the checkpoint)")
+    p.add_argument("--config", help="directory holding config.json, whose HF tp plan (a pipeline save: the "
+                   "name map of its model_type) tells how tensor-parallel slices merge (default: next to the checkpoint)")
     p.add_argument("--tp-rule", action="append", default=[], metavar="PATTERN=0|1|replicated",
                    help="how to merge model-parallel slices of parameters matching PATTERN (fnmatch) that "
                         "neither the checkpoint nor the HF config describes; repeatable")

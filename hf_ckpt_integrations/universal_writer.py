@@ -67,8 +67,10 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
                    tp_rules: Optional[Sequence[str]] = None):
     """``(plan, states, model_fields)``: the DeepSpeed source's plan of the fp32 masters (in-memory
     parameter names; no Hub-layout pass, no dtype change), the :class:`OptimizerStates` beside them
-    and the first model-states file's fields. Refuses what is not a DeepSpeed ZeRO save, and what
-    the export refuses (a TP-split tensor with no rule, replicas that disagree)."""
+    and the first model-states file's fields. A ``PipelineModule`` save is planned by its own reader
+    under the module's parameter names (:func:`.sources.deepspeed.pipeline.universal_plan`). Refuses
+    what is not a DeepSpeed ZeRO or pipeline save, and what the export refuses (a TP-split tensor with
+    no rule, replicas that disagree)."""
     from .sources import deepspeed as ds
     from .sources.deepspeed.allowlist import load
     from .sources.deepspeed.optim_states import OptimizerStates
@@ -77,33 +79,43 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
     from .sources.protocol import PlanContext
     from .sources.registry import find_source
 
+    from .sources.deepspeed import pipeline
+
     src = os.path.abspath(os.fspath(src))
     source = find_source(src, tag)
-    if source is not ds:
+    if source is not ds and source is not pipeline:
         raise CheckpointError(f"{src}: a {source.NAME} checkpoint; a universal checkpoint is written from a "
-                              "DeepSpeed ZeRO save (engine.save_checkpoint output) only")
+                              "DeepSpeed ZeRO save or PipelineModule save (engine.save_checkpoint output) only")
     if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
         raise CheckpointError(f"{config}: no config.json there; pass --config a directory holding the model's "
                               "config.json")
-    config_dir = config if config is not None else find_config_dir(ds.config_candidates(src, tag))
+    config_dir = config if config is not None else find_config_dir(source.config_candidates(src, tag))
     ctx = PlanContext(src, tag=tag, options={"tp_rules": list(tp_rules or [])}, config_dir=config_dir)
-    plan = ds.plan(ctx)
+    # A PipelineModule save keeps the module's own names ("{layer}.{name}", what load_universal looks up);
+    # its name map (from the config's model_type) gives only the TP rules.
+    plan = pipeline.universal_plan(ctx) if source is pipeline else ds.plan(ctx)
     plan.config_dir = config_dir
     check_plan(plan)
     tag_dir, _ = resolve_tag_dir(src, tag)
     for t in plan.tensors:
         _check_name(t.name, tag_dir)
-    optim, models = find_rank_files(tag_dir)
+    if source is pipeline:
+        optim, models = pipeline.rank_files(tag_dir)
+        first = models[0]
+    else:
+        optim, models = find_rank_files(tag_dir)
+        first = models[0].get(None) or models[0].get(0)
     if not any(optim.values()):
-        # Without ZeRO the optimizer's state sits inside the model-states file in the wrapping
-        # optimizer's own layout, and DeepSpeed restores a universal checkpoint only through its ZeRO
-        # optimizers (an engine without ZeRO never reads zero/; 0.19 engine.py _load_checkpoint).
-        raise CheckpointError(f"{tag_dir}: a DeepSpeed save without ZeRO (stage 0, {plan.detail.get('optimizer')}): "
-                              "no ZeRO optimizer partition files to take the states from, and DeepSpeed loads "
-                              "universal checkpoints into ZeRO stage 1-3 engines only; resume it at its own layout "
-                              "(engine.load_checkpoint), or train with ZeRO stage 1-3 to change layouts")
-    states = OptimizerStates(tag_dir)
-    first = models[0].get(None) or models[0].get(0)
+        # Without ZeRO the optimizer's state sits inside the model-states file, keyed by position
+        # (no file ties it to a name), and DeepSpeed restores a universal checkpoint only through
+        # its ZeRO optimizers (an engine without ZeRO never reads zero/; 0.19 engine.py
+        # _load_checkpoint). Weights alone would not be the resume this command promises.
+        raise CheckpointError(f"{tag_dir}: a DeepSpeed save without ZeRO (stage 0, "
+                              f"{plan.detail.get('optimizer') or 'no ZeRO optimizer'}): no ZeRO optimizer partition "
+                              "files to take the states from, and DeepSpeed loads universal checkpoints into ZeRO "
+                              "stage 1-3 engines only; resume it at its own layout (engine.load_checkpoint), or "
+                              "train with ZeRO stage 1-3 to change layouts (hf-ckpt export gives its weights)")
+    states = OptimizerStates(tag_dir, optim) if source is pipeline else OptimizerStates(tag_dir)
     return plan, states, load(first)
 
 

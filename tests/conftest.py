@@ -132,6 +132,10 @@ CASES = {
     "pipe-tp2-bf16-seq": ("ds_pipe_train.py", 4, ["--tp", "2", "--dtype", "bf16", "--residual", "sequential"]),
     "pipe-dp2-fp32-seq": ("ds_pipe_train.py", 4, ["--tp", "1", "--dtype", "fp32", "--residual", "sequential"]),
     "pipe-tp2-fp32-z0-par": ("ds_pipe_train.py", 4, ["--tp", "2", "--zero", "0", "--residual", "parallel"]),
+    # Seed 001's shape resumed through hf-ckpt universal (tests/test_pipeline_universal.py): 2 stages x TP 2
+    # ZeRO-1 with the sequential residual (its function does not depend on the TP size) onto 1 rank.
+    "pipe-tp2-fp32-seq": ("ds_pipe_train.py", 4, ["--tp", "2", "--dtype", "fp32", "--residual", "sequential"]),
+    "ucw-pipe-tp2-seq-to1": ("ds_pipe_resume.py", 1, ["--from", "{case:pipe-tp2-fp32-seq}", "--pp", "1", "--tp", "1"]),
     # The Hub-layout family matrix (tests/test_families.py): ZeRO-3 for every family, ZeRO-2 for an
     # MoE one, the Trainer callback and the live (Accelerate hook) save on an MoE one.
     **{f"fam-{f}-z3": ("family_train.py", 2, ["--family", f, "--stage", "3"])
@@ -225,7 +229,7 @@ def _cache_key(script: str) -> str:
     paths = [ENGINES / script, ENGINES / "common.py"]
     if "import families" in (ENGINES / script).read_text():
         paths.append(ENGINES / "families.py")
-    for shared in ("fsdp_train", "ds_train"):  # a script that runs another's code is keyed by it too
+    for shared in ("fsdp_train", "ds_train", "ds_pipe_train"):  # a script that runs another's code is keyed by it too
         if f"import {shared}" in (ENGINES / script).read_text():
             paths.append(ENGINES / f"{shared}.py")
     if any(CASES[name][0] == script for name in ACCELERATE):

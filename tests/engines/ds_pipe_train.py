@@ -19,7 +19,12 @@ writes ``OUT/ckpt`` (the save), ``OUT/config`` (a GPTNeoX config.json), and ``OU
 script split them on, under HF names; row-parallel biases summed in rank order with the parallel
 residual — the ground truth, independent of the exporter), ``module-stage{S}.safetensors`` (the
 same for the engine's module weights) and ``logits.safetensors`` (the pipeline's own output on
-the probe ``common.fixed_batch(99)``).
+the probe ``common.fixed_batch(99)``). Under ZeRO-1 in fp32 it also writes ``states-stage{S}.safetensors``: per
+parameter under its ``PipelineModule`` name (``"{layer}.{name}"``, what a universal checkpoint
+calls it) ``fp32/…``, ``exp_avg/…``, ``exp_avg_sq/…`` as DeepSpeed's ``safe_get_full_*`` give them
+right after the save, concatenated over TP on the split dims (whole tensors: rank 0's copy, checked
+equal on every TP rank). Then it trains ``--steps-after-save`` more steps on the batches a resumed run
+would see and records their losses and the optimizer step at save in ``reference/run.json``.
 """
 import argparse
 import sys
@@ -214,12 +219,13 @@ def main():
     p.add_argument("--residual", default="parallel", choices=["parallel", "sequential"])
     p.add_argument("--zero", type=int, default=1, choices=[0, 1])
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--steps-after-save", type=int, default=2)
     args = p.parse_args()
 
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-    from deepspeed.utils import safe_get_full_fp32_param
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from safetensors.torch import save_file
 
     # gloo does every collective here; DeepSpeed's optional shared-memory comm op would be JIT-compiled
@@ -272,7 +278,7 @@ def main():
         hf, dim = names[(int(idx), inner)]
         master = safe_get_full_fp32_param(param)  # None without ZeRO in fp32: the weights are the masters
         for store, local in ((masters, param if master is None else master), (module, param)):
-            local = local.detach().float().contiguous()
+            local = local.detach().float().clone()  # a copy: the steps after the save update the module in place
             if Grid.size > 1 and dim is not None:
                 parts = [torch.empty_like(local) for _ in range(Grid.size)]
                 dist.all_gather(parts, local, group=Grid.group)
@@ -281,17 +287,41 @@ def main():
                 else:
                     local = torch.cat(parts, dim=dim)
             store[hf] = local.contiguous()
+    states, steps = {}, []
+    if args.zero == 1 and args.dtype == "fp32":  # the states a universal checkpoint must carry, by module name
+        for name, param in engine.module.named_parameters():
+            idx, inner = name.split(".", 1)
+            dim = names[(int(idx), inner)][1]
+            for state in ("fp32", "exp_avg", "exp_avg_sq"):
+                full = safe_get_full_fp32_param(param) if state == "fp32" else safe_get_full_optimizer_state(param, state)
+                full = full.detach().float().contiguous()
+                if Grid.size > 1:
+                    parts = [torch.empty_like(full) for _ in range(Grid.size)]
+                    dist.all_gather(parts, full, group=Grid.group)
+                    if dim in (0, 1):
+                        full = torch.cat(parts, dim=dim)
+                    else:
+                        assert all(torch.equal(x, parts[0]) for x in parts), f"{state} of {name} differs over TP"
+                states[f"{state}/{name}"] = full.contiguous()
+        steps = sorted({float(v["step"]) for v in engine.optimizer.optimizer.state.values() if "step" in v})
+    losses = []
+    for step in range(args.steps, args.steps + args.steps_after_save):  # what a resumed run must compute
+        ids = common.fixed_batch(step, rank=dp_rank, vocab_size=VOCAB)
+        losses.append(float(engine.train_batch(iter([(ids, ids)]))))
     if dp_rank == 0 and Grid.rank == 0:
         ref = args.out / "reference"
         ref.mkdir(parents=True, exist_ok=True)
         save_file(masters, str(ref / f"master-stage{me.pipe}.safetensors"))
         save_file(module, str(ref / f"module-stage{me.pipe}.safetensors"))
+        if states:
+            save_file(states, str(ref / f"states-stage{me.pipe}.safetensors"))
         if me.pipe == STAGES - 1:
             save_file({"logits": logits.float().contiguous()}, str(ref / "logits.safetensors"))
         if me.pipe == 0:
             config.save_pretrained(args.out / "config")
             common.write_json(ref / "run.json", {"tp": args.tp, "dp": dp, "pp": STAGES, "dtype": args.dtype, "zero": args.zero,
-                                                 "residual": args.residual})
+                                                 "residual": args.residual, "steps": steps,
+                                                 "losses_after_save": losses})
     common.finish()
 
 

@@ -48,8 +48,10 @@ class OptimizerStates:
     order the optimizer holds them. ``param_groups``: the first file's ``param_groups`` (the
     optimizer hyperparameters). ``fields``: the first file's ``optimizer_state_dict``."""
 
-    def __init__(self, tag_dir: str):
-        optim, _ = find_rank_files(tag_dir)
+    def __init__(self, tag_dir: str, optim=None):
+        # ``optim[mp][dp]``: files with ``path`` and ``osd`` (a pipeline save's, from its own reader)
+        if optim is None:
+            optim, _ = find_rank_files(tag_dir)
         # path -> [(first byte, end byte, fp32 ref, {state name: value})]: where each partition lies
         self._index: Dict[str, List[tuple]] = {}
         self.tensor_names: List[str] = []

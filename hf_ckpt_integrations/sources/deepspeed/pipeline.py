@@ -15,9 +15,9 @@ What ``engine.save_checkpoint`` writes for a ``PipelineModule`` (DeepSpeed 0.19.
   ``zero_stage``). Without them (fp32, no ZeRO) the layer files are the weights.
 
 The masters are placed by :mod:`.zero12` (every partition proven against the layer files'
-weights), TP slices are merged by rules (the checkpoint's ``universal_checkpoint_info``, the
-name map's ``tp``, ``--tp-rule``, or byte-identical slices: one copy), never concatenating a
-replica, and renamed to HF names by the map the HF config's ``model_type`` chooses (:mod:`.name_map`).
+weights), TP slices are merged by rules (:mod:`.pipeline_tp`: the checkpoint's
+``universal_checkpoint_info``, the name map's ``tp``, ``--tp-rule``, or byte-identical slices: one
+copy), never concatenating a replica, and renamed to HF names by the map the HF config's ``model_type`` chooses (:mod:`.name_map`).
 """
 
 import os
@@ -30,16 +30,16 @@ from ...formats.dtypes import from_user as dtype_from_name
 from ...formats.torch_files import TensorRef
 from ...plan import ExportPlan, TensorPlan
 from ..protocol import PlanContext, SourceOption
-from ..tp_rules import REPLICATED, Rule, concat_shape, parse_user_rule, rule_from_universal_info, rule_from_user
+from ..tp_rules import parse_user_rule
 from .allowlist import ALLOWED, load
 from .fields import check_model_types, check_optim_types, meta_int, require, tensor_pieces
 from .name_map import ROW_BIAS, builtin_map, builtin_types, load_map, split_native
+from .pipeline_tp import ROW_BIAS_NOTE, UNIVERSAL_ROW_BIAS, merge_slices, parallel_residual
 from .rank_files import MODEL_RE, OPTIM_RE, claim, resolve_tag_dir
-from .tp_merge import all_identical
 from .zero12 import plan_zero12
 
 __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "ALLOWED", "LAYER_RE", "detect", "config_candidates",
-           "plan", "is_pipeline_tag"]
+           "plan", "universal_plan", "rank_files", "is_pipeline_tag"]
 
 NAME = "deepspeed-pipeline"
 LOOKS_FOR = "a DeepSpeed PipelineModule save (layer_XX[-model_YY]-model_states.pt beside mp_rank_XX files)"
@@ -99,6 +99,13 @@ class _OptimFile:
             check_optim_types(osd, self.path)
             self._osd = osd
         return self._osd
+
+
+def rank_files(tag_dir: str):
+    """``(optim, models)`` of a pipeline tag dir: ``optim[mp][dp]`` its optimizer files (``path``,
+    ``osd``; empty without ZeRO), ``models[mp]`` the path of ``mp_rank_{mp}_model_states.pt``."""
+    _, models, optim = _list_files(tag_dir)
+    return optim, models
 
 
 def _list_files(tag_dir):
@@ -192,6 +199,20 @@ def plan(ctx: PlanContext) -> ExportPlan:
 
     Options: ``name_map`` (a :class:`.name_map.NameMap` from ``--source-option name_map=FILE``),
     ``tp_rules`` (``--tp-rule``). Raises :class:`CheckpointError` for what it cannot prove."""
+    return _plan(ctx, universal=False)
+
+
+def universal_plan(ctx: PlanContext) -> ExportPlan:
+    """The plan of a universal checkpoint of the save (:mod:`...universal_writer`), read as
+    :func:`plan` reads it, except: the parameters keep the ``PipelineModule``'s own names
+    (``"{layer}.{name}"``: what DeepSpeed's ``load_universal`` looks up, ``engine.param_names``, at
+    any stage count since layer indices are global); the name map, when one is chosen, gives only
+    the TP rules; a row-parallel bias is what every TP rank's module holds (one copy, the others
+    checked equal: the loader copies it to every rank), never the sum; no config is required."""
+    return _plan(ctx, universal=True)
+
+
+def _plan(ctx: PlanContext, *, universal: bool) -> ExportPlan:
     src = os.path.abspath(ctx.path)
     out_dtype = dtype_from_name(ctx.dtype)  # noqa: F841  (checked here: an unknown dtype is refused early)
     try:
@@ -292,13 +313,18 @@ def plan(ctx: PlanContext) -> ExportPlan:
     names.sort(key=lambda n: split_native(n)[0])  # layer order, then each layer's own order
 
     name_map, map_note = _choose_map(ctx)
+    if universal and name_map is None:
+        map_note = ("no config.json and no name map: TP slices merge by the recorded universal_checkpoint_info, "
+                    "--tp-rule or byte-identical slices only, and no row-parallel bias is recognised as one; pass "
+                    f"--config DIR (a config of a model type with a built-in map: {', '.join(builtin_types())}) for "
+                    "the map's rules")
     layer_names: Dict[int, List[str]] = {}
     for n in names:
         layer, inner = split_native(n)
         layer_names.setdefault(layer, []).append(inner)
     blocks = name_map.blocks(layer_names) if name_map else {}
-    parallel_residual = None
-    out, dropped = [], []
+    residual_sum = None  # the config's use_parallel_residual, read when a row-parallel bias needs it
+    out, dropped, row_biases = [], [], []
     seen = {}
     for n in names:
         layer, inner = split_native(n)
@@ -314,7 +340,7 @@ def plan(ctx: PlanContext) -> ExportPlan:
             if entry.drop is not None:
                 dropped.append(f"{n} ({entry.drop})")
                 continue
-        hf = name_map.hf_name(entry, layer, blocks) if entry else n
+        hf = n if universal or not entry else name_map.hf_name(entry, layer, blocks)
         if hf in seen:
             raise LayoutError(f"{tag_dir}: {seen[hf]} and {n} both map to {hf}; fix the name map")
         seen[hf] = n
@@ -324,12 +350,15 @@ def plan(ctx: PlanContext) -> ExportPlan:
             out.append(TensorPlan(hf, t0.shape, t0.src_dtype, t0.parts, kind=t0.kind, module_check=t0.module_check))
             continue
         tp_value = entry.tp if entry else None
-        if tp_value == ROW_BIAS and parallel_residual is None:
-            parallel_residual = _parallel_residual(ctx)
-        merged = _merge(hf, n, slices, tp_value, parallel_residual, info, user_rules, name_map)
+        if tp_value == ROW_BIAS and universal:
+            row_biases.append(n)
+            tp_value = UNIVERSAL_ROW_BIAS
+        elif tp_value == ROW_BIAS and residual_sum is None:
+            residual_sum = parallel_residual(ctx)
+        merged = merge_slices(hf, n, slices, tp_value, residual_sum, info, user_rules, name_map)
         out.append(merged)
 
-    if name_map is not None and ctx.config_dir is not None:
+    if name_map is not None and ctx.config_dir is not None and not universal:
         _check_against_config(out, ctx.config_dir)
 
     files = sorted({p.path for t in out for part in t.parts + t.replicas for p in part} | set(models.values()) |
@@ -359,6 +388,10 @@ def plan(ctx: PlanContext) -> ExportPlan:
         plan_.notes.append(f"not written (name map): {', '.join(dropped[:4])}{' ...' if len(dropped) > 4 else ''}")
     if not optim:
         plan_.notes.append("no optimizer partitions (no ZeRO): the layer files' weights are exported")
+    residual = ctx.config.get("use_parallel_residual")
+    if row_biases and tp > 1 and residual is not False:
+        said = "the config's use_parallel_residual" if residual is True else "if the model uses it: the config does not say"
+        plan_.notes.append(ROW_BIAS_NOTE.format(n=len(row_biases), tp=tp, first=row_biases[0], said=said))
     return plan_
 
 
@@ -410,66 +443,3 @@ def _choose_map(ctx):
                               f"pipeline name map (maps: {', '.join(builtin_types())}); pass --source-option "
                               "name_map=FILE mapping the pipeline's names to this model's (docs: 'Pipeline parallelism')")
     return m, f"names from the {m.source}"
-
-
-def _parallel_residual(ctx) -> bool:
-    value = ctx.config.get("use_parallel_residual") if ctx.config_dir else None
-    if not isinstance(value, bool):
-        where = f"{ctx.config_dir}/config.json" if ctx.config_dir else "the checkpoint"
-        raise CheckpointError(f"{where}: records no use_parallel_residual (true/false), which decides how the TP "
-                              "ranks' row-parallel biases merge (their sum, or one copy); pass --config DIR with the "
-                              "model's config.json")
-    return value
-
-
-def _rule_for(hf, native, slices, tp_value, parallel_residual, info, user_rules, name_map):
-    if info is not None:
-        rule = rule_from_universal_info(native, info)
-        if rule is not None:
-            return rule, None
-    if tp_value == ROW_BIAS:
-        if parallel_residual:
-            return None, "sum"
-        return Rule(None, f"{name_map.source}: row_bias, use_parallel_residual=false: one copy"), None
-    if tp_value is not None:
-        dim = None if tp_value == REPLICATED else int(tp_value)
-        return Rule(dim, f"{name_map.source}: {tp_value}"), None
-    rule = rule_from_user(hf, user_rules) or (rule_from_user(native, user_rules) if native != hf else None)
-    if rule is None and all_identical({hf: slices}):
-        rule = Rule(None, "slices are byte-identical")
-    if rule is None:
-        raise LayoutError(f"{native}: its {len(slices)} tensor-parallel slices {[list(s.shape) for s in slices]} "
-                          "differ and no rule covers it (no universal_checkpoint_info, no name map entry); pass "
-                          f"--tp-rule '{hf}=0' (split rows), '=1' (split columns) or '=replicated'")
-    return rule, None
-
-
-def _merge(hf, native, slices, tp_value, parallel_residual, info, user_rules, name_map) -> TensorPlan:
-    first = slices[0]
-    rule, reduce = _rule_for(hf, native, slices, tp_value, parallel_residual, info, user_rules, name_map)
-    shapes = [s.shape for s in slices]
-    if reduce == "sum" or (rule is not None and rule.replicated):
-        if any(s != first.shape for s in shapes):
-            what = "row_bias (every rank holds the whole bias)" if reduce else f"replicated ({rule.source})"
-            raise LayoutError(f"{native}: {what}, but the TP ranks hold shapes {[list(s) for s in shapes]}; fix the "
-                              "name map or pass --tp-rule")
-        if reduce == "sum":
-            # Parallel residual: each rank adds its bias before the all-reduce, so the model's bias is the
-            # sum over ranks (summed in rank order in fp32, as the all-reduce of the outputs adds them).
-            return TensorPlan(hf, first.shape, first.src_dtype, [s.parts[0] for s in slices], kind=first.kind,
-                              part_shapes=[tuple(first.shape)] * len(slices), reduce="sum",
-                              rule=f"{name_map.source}: row_bias, use_parallel_residual=true: sum over TP ranks")
-        return TensorPlan(hf, first.shape, first.src_dtype, first.parts, kind=first.kind, rule=rule.source,
-                          replicas=[s.parts[0] for s in slices[1:]], module_check=first.module_check)
-    try:
-        shape = concat_shape(shapes, rule.dim)
-    except ValueError as e:
-        raise LayoutError(f"{native}: {e} (rule from {rule.source}); fix the name map or pass --tp-rule") from None
-    keep = rule.keep_rows if rule.keep_rows is not None and shape[0] > rule.keep_rows else None
-    if keep is not None:
-        shape = (keep,) + shape[1:]
-    check = None
-    if all(s.module_check is not None for s in slices):
-        check = ([s.module_check[0][0] for s in slices], [s.module_check[1][0] for s in slices])
-    return TensorPlan(hf, shape, first.src_dtype, [s.parts[0] for s in slices], kind=first.kind, cat_dim=rule.dim,
-                      part_shapes=shapes, keep_rows=keep, rule=rule.source, module_check=check)
