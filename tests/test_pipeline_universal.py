@@ -91,7 +91,7 @@ def test_a_save_without_zero_is_refused_like_any_save_without_zero(engine_ckpt, 
     universal checkpoint through its ZeRO optimizers only: refused as for a plain stage-0 save
     (tests/test_universal_refusals.py), nothing written."""
     run = engine_ckpt("pipe-tp2-fp32-z0-par")
-    dst = tmp_path / "uc" / "global_step2"
+    dst = tmp_path / "uc"
     r = hf_ckpt("universal", run / "ckpt", dst, "--config", run / "config")
     assert_refused(r, match=("without ZeRO (stage 0", "ZeRO stage 1-3 engines only"), dst=dst)
 
