@@ -21,7 +21,6 @@ import argparse
 import functools
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -36,9 +35,7 @@ def _config():
 
 
 def _save(out: Path, use_orig_params: bool, mixed_precision):
-    from accelerate.utils import FullyShardedDataParallelPlugin, save_fsdp_model
-    from safetensors.torch import save_file
-    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -48,19 +45,8 @@ def _save(out: Path, use_orig_params: bool, mixed_precision):
     model = FSDP(LlamaForCausalLM(_config()), auto_wrap_policy=policy, device_id=torch.device("cpu"),
                  use_orig_params=use_orig_params, mixed_precision=mixed_precision)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(2):
-        ids = common.fixed_batch(step, rank=dist.get_rank())
-        model(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=1, state_dict_type="LOCAL_STATE_DICT")
-    accelerator = SimpleNamespace(process_index=dist.get_rank(), num_processes=dist.get_world_size())
-    save_fsdp_model(plugin, accelerator, model, str(out / "state"), use_dcp=False)
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
-                              FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
-        full = model.state_dict()
-    if dist.get_rank() == 0:
-        save_file({k: v.contiguous() for k, v in full.items()}, str(out / "reference.safetensors"))
+    fsdp_train.train_two_steps(model, opt)
+    fsdp_train.save_fsdp1_per_rank(model, out, "LOCAL_STATE_DICT")
     return model
 
 

@@ -26,16 +26,10 @@ def main():
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    import common
-
     dist.init_process_group("gloo")
     model = fsdp_train._fsdp2(fsdp_train._model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(2):
-        ids = common.fixed_batch(step, rank=dist.get_rank())
-        model(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
+    fsdp_train.train_two_steps(model, opt)
     writer = HuggingFaceStorageWriter(str(args.out / "hf"), save_distributed=True)
     dcp.save(get_model_state_dict(model), storage_writer=writer)
     fsdp_train._reference(model, args.out)

@@ -21,7 +21,6 @@ Both write the engine's own full weights (``get_model_state_dict(full_state_dict
 """
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -29,20 +28,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
 import fsdp_train  # noqa: E402
-
-
-def _shard_placement_fn(fsdp_size):
-    """verl's get_shard_placement_fn: the first dim the FSDP size divides, else dim 0."""
-    from torch.distributed.tensor import Shard
-
-    def fn(param):
-        for i, s in enumerate(param.shape):
-            if s % fsdp_size == 0:
-                return Shard(i)
-        return Shard(0)
-    return fn
 
 
 def _tokenizer():
@@ -54,14 +40,6 @@ def _tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-
-
-def _train(model, opt, data_rank=None):
-    for step in range(2):
-        ids = common.fixed_batch(step, rank=dist.get_rank() if data_rank is None else data_rank)
-        model(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def run_verl(out: Path, fsdp_size: int):
@@ -80,7 +58,7 @@ def run_verl(out: Path, fsdp_size: int):
     kwargs = {"mesh": mesh, "reshard_after_forward": True,
               "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                 cast_forward_inputs=True),
-              "shard_placement_fn": _shard_placement_fn(mesh.shape[-1])}
+              "shard_placement_fn": fsdp_train.shard_placement_fn(mesh.shape[-1])}
     # verl's apply_fsdp2: decoder layers and (untied) embeddings, then the root
     for module in model.modules():
         if type(module).__name__ == "LlamaDecoderLayer" or (
@@ -88,7 +66,7 @@ def run_verl(out: Path, fsdp_size: int):
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _train(model, opt)
+    fsdp_train.train_two_steps(model, opt)
 
     # FSDPCheckpointManager.save_checkpoint (FSDP2: no state-dict context)
     root = out / "ckpt"
@@ -125,7 +103,7 @@ def run_accelerate(out: Path):
     model = fsdp_train._model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = accelerator.prepare(model, opt)
-    _train(model, opt)
+    fsdp_train.train_two_steps(model, opt)
     save_fsdp_model(plugin, accelerator, model, str(out / "state"), use_dcp=False)
     fsdp_train._reference(model, out)
 
@@ -134,28 +112,16 @@ def run_accelerate_fsdp1(out: Path):
     """FSDP1 (no device mesh) saved by Accelerate's own ``save_fsdp_model(use_dcp=False)`` under
     SHARDED_STATE_DICT: ShardedTensors. The Accelerator is not prepared (FSDP1 on CPU through
     ``prepare`` is not supported by Accelerate 1.16); save_fsdp_model reads ``process_index`` only."""
-    from types import SimpleNamespace
-
-    from accelerate.utils import FullyShardedDataParallelPlugin, save_fsdp_model
-    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
-
     from accelerate.state import PartialState
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     dist.init_process_group("gloo")
     PartialState(cpu=True)  # Accelerate's logger needs its state
     model = FSDP(fsdp_train._model(), device_id=torch.device("cpu"), use_orig_params=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _train(model, opt)
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=1, state_dict_type="SHARDED_STATE_DICT")
-    accelerator = SimpleNamespace(process_index=dist.get_rank(), num_processes=dist.get_world_size())
-    save_fsdp_model(plugin, accelerator, model, str(out / "state"), use_dcp=False)
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
-                              FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
-        full = model.state_dict()
+    fsdp_train.train_two_steps(model, opt)
+    fsdp_train.save_fsdp1_per_rank(model, out, "SHARDED_STATE_DICT")
     if dist.get_rank() == 0:
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in full.items()}, str(out / "reference.safetensors"))
         model.module.config.save_pretrained(str(out / "config"))
 
 
@@ -180,7 +146,7 @@ def run_fsdp_tp(out: Path):
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _train(model, opt, data_rank=mesh.get_coordinate()[0])  # one batch per TP group
+    fsdp_train.train_two_steps(model, opt, data_rank=mesh.get_coordinate()[0])  # one batch per TP group
     local = out / "ckpt" / "global_step_2" / "actor"
     local.mkdir(parents=True, exist_ok=True)
     dist.barrier()

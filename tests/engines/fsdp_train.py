@@ -74,11 +74,7 @@ def run_plain(out: Path):
     dist.init_process_group("gloo")
     model = _fsdp2(_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(2):
-        ids = common.fixed_batch(step, rank=dist.get_rank())
-        model(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
+    train_two_steps(model, opt)
     state = dict(get_model_state_dict(model))
     state["optimizer"] = get_optimizer_state_dict(model, opt)
     dcp.save(state, checkpoint_id=str(out / "dcp"))
@@ -154,6 +150,55 @@ def run_trainer(out: Path, callback=None, resume_from=None):
     _reference(trainer.model_wrapped, out)
 
 
+def train_two_steps(model, opt, data_rank=None):
+    """Two AdamW steps on this rank's fixed batches (another rank's with ``data_rank``)."""
+    for step in range(2):
+        ids = common.fixed_batch(step, rank=dist.get_rank() if data_rank is None else data_rank)
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def fsdp1_full_state_dict(model):
+    """FSDP1's own ``FULL_STATE_DICT`` on every rank: the reference (``rank0_only=True`` with
+    ``offload_to_cpu=True`` segfaults in torch 2.13 on CPU)."""
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                              FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
+        return model.state_dict()
+
+
+def save_fsdp1_per_rank(model, out: Path, state_dict_type: str):
+    """FSDP1 saved by Accelerate's own ``save_fsdp_model(use_dcp=False)`` under ``state_dict_type``
+    into ``out/state`` (per-rank files), and its full state dict beside as the reference. The
+    Accelerator is not prepared (FSDP1 on CPU through ``prepare`` is not supported by Accelerate
+    1.16); save_fsdp_model reads ``process_index`` only."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin, save_fsdp_model
+    from safetensors.torch import save_file
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=1, state_dict_type=state_dict_type)
+    accelerator = SimpleNamespace(process_index=dist.get_rank(), num_processes=dist.get_world_size())
+    save_fsdp_model(plugin, accelerator, model, str(out / "state"), use_dcp=False)
+    full = fsdp1_full_state_dict(model)
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in full.items()}, str(out / "reference.safetensors"))
+
+
+def shard_placement_fn(fsdp_size):
+    """verl's get_shard_placement_fn: the first dim the FSDP size divides, else dim 0."""
+    from torch.distributed.tensor import Shard
+
+    def fn(param):
+        for i, s in enumerate(param.shape):
+            if s % fsdp_size == 0:
+                return Shard(i)
+        return Shard(0)
+    return fn
+
+
 def run_fsdp1(out: Path, *, use_orig_params: bool):
     """FSDP1 (``FullyShardedDataParallel``) on CPU, saved as Accelerate saves it under
     ``SHARDED_STATE_DICT``: ``{"model": state_dict}`` with ``dcp.save`` into
@@ -161,21 +206,15 @@ def run_fsdp1(out: Path, *, use_orig_params: bool):
     (``rank0_only=True`` with ``offload_to_cpu=True`` segfaults in torch 2.13 on CPU)."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
-    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
 
     dist.init_process_group("gloo")
     model = FSDP(_model(), device_id=torch.device("cpu"), use_orig_params=use_orig_params)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(2):
-        ids = common.fixed_batch(step, rank=dist.get_rank())
-        model(ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
+    train_two_steps(model, opt)
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         dcp.save({"model": model.state_dict()}, checkpoint_id=str(out / "state" / "pytorch_model_fsdp_0"))
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
-                              FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
-        full = model.state_dict()
+    full = fsdp1_full_state_dict(model)
     with torch.no_grad():
         logits = model(common.probe_input()).logits.detach().float()
     if dist.get_rank() == 0:

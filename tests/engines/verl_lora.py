@@ -48,17 +48,6 @@ def _peft_model():
     return get_peft_model(model, _lora_config())
 
 
-def _shard_placement_fn(fsdp_size):
-    from torch.distributed.tensor import Shard
-
-    def fn(param):
-        for i, s in enumerate(param.shape):
-            if s % fsdp_size == 0:
-                return Shard(i)
-        return Shard(0)
-    return fn
-
-
 def main():
     from peft.utils.save_and_load import get_peft_model_state_dict
     from safetensors.torch import save_file
@@ -76,7 +65,7 @@ def main():
     kwargs = {"mesh": mesh, "reshard_after_forward": True,
               "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                 cast_forward_inputs=True),
-              "shard_placement_fn": _shard_placement_fn(world)}
+              "shard_placement_fn": fsdp_train.shard_placement_fn(world)}
     wrap = model._no_split_modules if hasattr(model, "_no_split_modules") else ["LlamaDecoderLayer"]
     for module in model.modules():  # verl's apply_fsdp2
         if type(module).__name__ in wrap or (isinstance(module, torch.nn.Embedding)
