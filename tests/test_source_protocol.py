@@ -220,3 +220,12 @@ def test_a_repeated_option_collects_every_value_and_tp_rule_is_its_own_spelling(
     assert seen["options"] == {"tp_rules": ["c=0", "d=1"]}
     build_plan(tmp_path / "toy")
     assert seen["options"] == {"tp_rules": []}  # the default, a fresh list per export
+
+
+def test_an_unknown_dtype_is_refused_by_the_context_before_any_source_reads():
+    """PlanContext is the one place that refuses an unknown --dtype (no source re-checks it)."""
+    from hf_ckpt_integrations.sources.protocol import PlanContext
+
+    with pytest.raises(OptionError, match="unknown dtype 'fp8'; use one of fp32, bf16, fp16"):
+        PlanContext("/nonexistent", dtype="fp8")
+    assert PlanContext("/nonexistent", dtype="BF16").dtype == "BF16"  # kept as given; decide_dtypes maps it

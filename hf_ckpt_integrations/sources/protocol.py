@@ -175,6 +175,12 @@ class PlanContext:
     config_dir: Optional[str] = None
     _config: Optional[dict] = field(default=None, repr=False)
 
+    def __post_init__(self):
+        # One place refuses an unknown dtype (OptionError), before any source reads a file.
+        from ..formats.dtypes import from_user
+
+        from_user(self.dtype)
+
     def option(self, name: str, default=None):
         """The value of option ``name`` (``default`` when the source declared no such option)."""
         return self.options.get(name, default)

@@ -26,7 +26,6 @@ from collections import OrderedDict
 from typing import Dict, List, Optional
 
 from ...errors import CheckpointError, LayoutError, short_repr
-from ...formats.dtypes import from_user as dtype_from_name
 from ...formats.torch_files import TensorRef
 from ...plan import ExportPlan, TensorPlan
 from ..protocol import PlanContext, SourceOption
@@ -214,7 +213,6 @@ def universal_plan(ctx: PlanContext) -> ExportPlan:
 
 def _plan(ctx: PlanContext, *, universal: bool) -> ExportPlan:
     src = os.path.abspath(ctx.path)
-    out_dtype = dtype_from_name(ctx.dtype)  # noqa: F841  (checked here: an unknown dtype is refused early)
     try:
         user_rules = [parse_user_rule(r) for r in (ctx.option("tp_rules") or [])]
     except ValueError as e:
