@@ -34,8 +34,9 @@ def _export_cmd(src, dst, config, dtype):
 
 
 def test_sigkill_at_random_points(engine_ckpt, tmp_path):
-    """20+ real exports killed at random delays: dst is always one complete export (the previous
-    one or the new one), never partial; the next run removes the killed runs' temp dirs."""
+    """24 real exports killed at random delays (every third just after its staging directory
+    appears): dst is always one complete export (the previous one or the new one), never partial;
+    the next run removes the killed runs' temp dirs."""
     case = engine_ckpt("z2-fp32")
     src, config = case / "ckpt", case / "config"
     complete = {}
@@ -61,15 +62,28 @@ def test_sigkill_at_random_points(engine_ckpt, tmp_path):
     for i in range(24):
         dtype = ("bf16", "fp32")[i % 2]  # alternate, so each run replaces a different complete export
         old = tree_digest(dst)
+        before = {n for n in _leftovers(tmp_path) if ".hfckpt-tmp-" in n}  # what earlier killed runs left
+
+        def staging():  # this run's own staging entries
+            return {n for n in _leftovers(tmp_path) if ".hfckpt-tmp-" in n} - before
         proc = subprocess.Popen(_export_cmd(src, dst, config, dtype), cwd=REPO, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.1, 1.1) * complete[dtype][1])
+        if i % 3 == 0:
+            # Every third run waits for its staging directory and is killed inside the window this
+            # test is about: timed delays alone landed all before it or all after it, by machine load.
+            deadline = time.monotonic() + 120
+            while not staging() and proc.poll() is None:
+                assert time.monotonic() < deadline, "the export never created its staging directory"
+                time.sleep(0.001)
+            time.sleep(rng.uniform(0, 0.02))
+        else:
+            time.sleep(rng.uniform(0.1, 1.1) * complete[dtype][1])
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         now = tree_digest(dst)
         assert now in digests, f"run {i}: destination is not a complete export after SIGKILL"
         outcomes["old" if now == old else "new"] += 1
-        outcomes["killed-while-staging"] += any(".hfckpt-tmp-" in n for n in _leftovers(tmp_path))
+        outcomes["killed-while-staging"] += bool(staging())
     # The kills must have landed inside the interesting window at least a few times.
     assert outcomes["killed-while-staging"] >= 3, outcomes
     r = hf_ckpt("export", src, dst, "--config", config, "--overwrite", "--quiet")
