@@ -8,6 +8,7 @@ rerun costs nothing. Each case directory holds the engine's checkpoint and the r
 weights the engine itself reported at save time.
 """
 
+import fcntl
 import hashlib
 import importlib.metadata as md
 import importlib.util
@@ -292,6 +293,17 @@ def build_case(name: str) -> Path:
     args = [str(build_case(m.group(1))) if m else a for a in args for m in [CASE_REF.match(str(a))]]
     out = cache_root() / _cache_key(script) / name  # cases of one script share a parent (see cb-z3-resume)
     refuse_engine_launch(f"engine case {name}")  # even a cached one: the fast suite needs no engine run
+    if (out / "DONE").exists():
+        return out
+    # Two test runs sharing one cache (HFCKPT_TEST_CACHE; git worktrees) must not build one case in
+    # the same .building directory at once: the second waits and takes the first one's result.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_case_locked(name, script, nproc, args, out)
+
+
+def _build_case_locked(name, script, nproc, args, out) -> Path:
     if (out / "DONE").exists():
         return out
     if name in _FAILED:  # a silent retry by the next test would hide a flaky engine run
