@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 from .errors import CheckpointError, DestinationError, LayoutError, OptionError, one_line
 
 __all__ = ["read_small_text", "read_latest", "check_tag_name", "config_problem", "read_config", "copyable_problem",
-           "check_destination", "is_or_holds", "bad_metadata_as_input", "refuse_unreadable_layouts", "LATEST_LIMIT", "CONFIG_LIMIT"]
+           "check_destination", "is_or_holds", "bad_metadata_as_input", "refuse_unreadable_layouts", "claim_file", "LATEST_LIMIT", "CONFIG_LIMIT"]
 
 LATEST_LIMIT = 4096  # DeepSpeed writes the tag name alone ("global_step1000")
 CONFIG_LIMIT = 16 * 2**20  # config.json; a real one is a few KB
@@ -214,3 +214,24 @@ def refuse_unreadable_layouts(tag_dir: str, names: Iterable[str]) -> None:
         raise LayoutError(f"{tag_dir}: holds {both[0]} (a ZeRO-1/2 save) beside zero_pp_rank_*_mp_rank_"
                           f"{_ZERO12_MODEL_RE.match(both[0]).group(1)}_model_states.pt (ZeRO-3 saves); files from "
                           "different saves are mixed: copy one save's tag directory again")
+
+
+def claim_file(slots: dict, key, path: str, *, where: str, what: str = "rank", canonical: Optional[str] = None,
+               value=None) -> None:
+    """Place the file ``path`` (or ``value`` standing for it, which must keep a ``path`` attribute or be
+    the path) at ``slots[key]``: the one rule every source listing per-rank, per-layer or
+    per-partition files follows. Ranks come from the numbers in the names, so ``rank_1`` and
+    ``rank_01`` are one rank: a second file for a key taken is refused naming both (reading either
+    would silently drop the other, and one of them was copied in or edited). ``canonical`` is the
+    name the engine writes for ``key``: when one of the two is it, the refusal says to remove the other.
+    """
+    if key in slots:
+        held = slots[key]
+        first = os.path.basename(getattr(held, "path", held))
+        name = os.path.basename(path)
+        odd = [n for n in (first, name) if n != canonical] if canonical in (first, name) else []
+        fix = (f"remove {odd[0]} (the engine writes {canonical})" if len(odd) == 1 else
+               "remove the one this save did not write (copied in from elsewhere, or renamed)")
+        raise LayoutError(f"{where}: {first} and {name} both claim {what} {key}; one was copied in from elsewhere "
+                          f"or renamed: {fix}")
+    slots[key] = path if value is None else value
