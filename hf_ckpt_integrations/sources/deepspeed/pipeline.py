@@ -37,7 +37,7 @@ from .pipeline_tp import ROW_BIAS_NOTE, UNIVERSAL_ROW_BIAS, merge_slices, parall
 from .rank_files import MODEL_RE, OPTIM_RE, claim, model_name, optim_name, resolve_tag_dir
 from .zero12 import plan_zero12
 
-__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "ALLOWED", "LAYER_RE", "detect", "config_candidates",
+__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "ALLOWED", "LAYER_RE", "detect", "needs_config", "config_candidates",
            "plan", "universal_plan", "rank_files", "is_pipeline_tag"]
 
 NAME = "deepspeed-pipeline"
@@ -73,6 +73,12 @@ def detect(path: str, tag: Optional[str] = None) -> bool:
     except CheckpointError:
         return False
     return is_pipeline_tag(tag_dir)
+
+
+def needs_config(path: str, tag: Optional[str] = None) -> bool:
+    """Always: the HF names come from a config (the name map is its model_type's), and a pipeline
+    save keeps none beside it (GPT-NeoX keeps its YAML)."""
+    return True
 
 
 def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:

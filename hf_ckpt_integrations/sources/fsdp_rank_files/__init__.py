@@ -49,7 +49,7 @@ from . import local
 from .placement import box_pieces, index_runs, local_indices
 from .stand_ins import ALLOWED, TYPES, DTensorRef, ShardedRef  # ALLOWED: this source's allowlist
 
-__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "OPTIONS", "ALLOWED", "detect",
+__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "OPTIONS", "ALLOWED", "detect", "needs_config",
            "config_candidates", "plan", "find_rank_files", "local_indices", "DTensorRef"]
 
 NAME = "fsdp-rank-files"
@@ -114,6 +114,12 @@ def _model_dir(path: str) -> Optional[str]:
 def detect(path: str, tag: Optional[str] = None) -> bool:
     """Rank files in ``path``, its ``actor/``/``policy/``, or the step a verl root names (file names only)."""
     return tag is None and _model_dir(path) is not None
+
+
+def needs_config(path: str, tag: Optional[str] = None) -> bool:
+    """For FSDP1 LOCAL_STATE_DICT files: only the config's model splits their flat parameters."""
+    model = _model_dir(path)
+    return model is not None and set(_rank_names(model)) == {"local"}
 
 
 def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
