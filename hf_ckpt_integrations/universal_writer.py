@@ -43,6 +43,7 @@ from collections import OrderedDict
 from typing import Dict, Optional, Sequence
 
 from .errors import CheckpointError, LayoutError, short_repr
+from .guards import check_inside, plan_paths, source_root
 from .assemble import FileRange
 from .formats.torch_files import TensorRef
 from .formats.torch_save_out import OutTensor, TorchSize, archive_name, save as save_torch_file
@@ -98,6 +99,7 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
     # A PipelineModule save keeps the module's own names ("{layer}.{name}", what load_universal looks up);
     # its name map (from the config's model_type) gives only the TP rules.
     plan = pipeline.universal_plan(ctx) if source is pipeline else ds.plan(ctx)
+    check_inside(plan_paths(plan), source_root(src), what="a file of the checkpoint")  # as every plan (registry)
     plan.config_dir = config_dir
     check_plan(plan)
     tag_dir, _ = resolve_tag_dir(src, tag)

@@ -9,6 +9,7 @@ files copied from the original save (parameter order, buffers, tied parameters).
 import os
 from typing import List, Optional
 
+from .. import guards
 from ..errors import CheckpointError, LayoutError
 from ..formats.torch_files import TensorRef
 from ..plan import ExportPlan, Piece, TensorPlan
@@ -54,9 +55,14 @@ def plan(ctx: PlanContext) -> ExportPlan:
     path = os.path.abspath(_resolve(ctx.path, ctx.tag))
     zero = os.path.join(path, "zero")
     names = sorted(n for n in os.listdir(zero) if os.path.isfile(os.path.join(zero, n, "fp32.pt")))
+    # Each zero/<param>/ entry and the model states belong to this checkpoint: a link leading out of
+    # it (a directory of another run's weights) is refused before anything is read.
+    guards.check_inside([os.path.join(zero, n, "fp32.pt") for n in names], guards.source_root(ctx.path),
+                        what="a zero/<param>/ entry of the universal checkpoint")
     order, buffers, shared = [], {}, {}
     model_states = os.path.join(path, "mp_rank_00_model_states.pt")
     if os.path.isfile(model_states):
+        guards.check_inside([model_states], guards.source_root(ctx.path), what="the model states")
         meta = deepspeed_pickles.load(model_states)
         module = meta.get("module") or {}
         order = [n for n in module if n in names]
