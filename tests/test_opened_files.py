@@ -139,3 +139,18 @@ def test_universal_entry_linked_inside_is_read(universal_src, tmp_path):
     (zero / victim).symlink_to(uc / "moved", target_is_directory=True)
     r = hf_ckpt("export", uc, tmp_path / "out")
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("damage", ["removed", "fifo"])
+def test_universal_parameter_without_its_entry_is_refused(universal_src, tmp_path, damage):
+    """A parameter the model states record whose zero/<name>/fp32.pt is gone (or a FIFO) was left out
+    of an export without a config, exit 0."""
+    uc = universal_src
+    os.remove(uc / "config.json")
+    entry = uc / "zero" / "lm_head.weight"
+    shutil.rmtree(entry)
+    if damage == "fifo":
+        entry.mkdir()
+        os.mkfifo(entry / "fp32.pt")
+    r = hf_ckpt("export", uc, tmp_path / "out", timeout=HANG)
+    assert_refused(r, match=("lm_head.weight/fp32.pt", "missing or not a regular file"), dst=tmp_path / "out")
