@@ -72,3 +72,11 @@ def test_moe_two_files_for_one_expert_refused(tmp_path):
     tag = _touch(tmp_path / "t", *names)
     with pytest.raises(LayoutError, match="both claim MoE layer 1's expert 0.*remove layer_01_expert_0"):
         moe.expert_files(tag, sorted(names), 0)
+
+
+def test_verl_rank_past_the_world_size_refused(tmp_path):
+    """verl's names record the world size: rank 7 of a 2-rank save was ignored silently."""
+    mesh, tensors = _layouts()["1d-uneven"]
+    src = write_rank_files(tmp_path / "actor", {"a": tensors["a"]}, (2,))
+    shutil.copy(src / "model_world_size_2_rank_1.pt", src / "model_world_size_2_rank_7.pt")
+    export_refused(src, tmp_path / "out", match=("model_world_size_2_rank_7.pt", "rank 7 of a save of 2 ranks"))

@@ -151,6 +151,10 @@ def find_rank_files(model_dir: str) -> Tuple[str, int, List[str]]:
     by_rank = {r: os.path.basename(p) for r, p in by_rank.items()}
     if world < 1 or world > 1_000_000:
         raise CheckpointError(f"{model_dir}: world size {world} is not one a save writes")
+    beyond = sorted(r for r in by_rank if r >= world)
+    if beyond:  # verl's names record the world size: a rank past it is a file of another save
+        raise CheckpointError(f"{os.path.join(model_dir, by_rank[beyond[0]])}: rank {beyond[0]} of a save of {world} "
+                              "ranks; a file of another save was copied in or renamed: remove it")
     missing = [r for r in range(world) if r not in by_rank]
     if missing:
         name = _NAMES[layout](world, missing[0])
