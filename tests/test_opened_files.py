@@ -119,13 +119,18 @@ def universal_src(committed_zero2, tmp_path):
     return uc
 
 
-def test_universal_entry_linked_from_outside_is_refused(universal_src, tmp_path):
-    """A zero/<param>/ entry that is a link to a directory outside SRC was read and exported (exit 0)."""
+@pytest.mark.parametrize("content", ["weights", "garbage"])
+def test_universal_entry_linked_from_outside_is_refused(universal_src, tmp_path, content):
+    """A zero/<param>/ entry that is a link to a directory outside SRC was read and exported (exit 0).
+    Refused before anything of it is read: what lies outside is never parsed (``garbage``)."""
     uc = universal_src
     zero = uc / "zero"
     victim = sorted(p.name for p in zero.iterdir() if p.is_dir())[0]
     outside = tmp_path / "outside" / victim
-    shutil.move(zero / victim, outside.parent / victim) if outside.parent.mkdir() is None else None
+    outside.parent.mkdir()
+    shutil.move(zero / victim, outside)
+    if content == "garbage":
+        (outside / "fp32.pt").write_bytes(b"not a torch file")
     (zero / victim).symlink_to(outside, target_is_directory=True)
     export_refused(uc, tmp_path / "out", match=(victim, "outside", "symbolic link"))
 
