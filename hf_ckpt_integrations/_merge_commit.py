@@ -10,7 +10,7 @@ from typing import Iterable, List
 from .errors import DestinationError
 from .outfiles import NOFOLLOW, open_dir, open_new
 from ._staging import (JOURNAL, JOURNAL_LIMIT, LOCK_SUFFIX, OWNER_SUFFIX, STAGING_NAME, CommitStrategy, DirLock,
-                       disk_error, make_owned, plain_name, read_marker, remove_dir, signals_held, writer_alive,
+                       disk_error, make_dirs, make_owned, plain_name, remove_made_dirs, read_marker, remove_dir, signals_held, writer_alive,
                        fsync_path, weight_files)
 
 __all__ = ["MergeIntoCheckpoint"]
@@ -43,10 +43,14 @@ class MergeIntoCheckpoint(CommitStrategy):
         self._state = "new"
 
     def begin(self) -> str:
+        """Take the lock, recover or clear an earlier staging directory, make the marked staging
+        directory; every step undone when a later one fails (ENOSPC included): ``dst``, when this
+        call created it, is removed again."""
+        made: List[str] = []
         try:
-            os.makedirs(self.dst, exist_ok=True)
-            self._dir = open_dir(self.dst)
             try:
+                made = make_dirs(self.dst)
+                self._dir = open_dir(self.dst)
                 self._lock.acquire()
                 self.recover()
                 with signals_held():  # an interrupt inside make_owned would leave an entry nobody knows of
@@ -57,6 +61,7 @@ class MergeIntoCheckpoint(CommitStrategy):
                 if self._nonce is not None:
                     self._discard_staging()
                 self._release()
+                remove_made_dirs(made)
                 raise
         except OSError as e:
             raise disk_error(self.dst, e) from e

@@ -26,7 +26,8 @@ from .outfiles import NOFOLLOW, open_dir, open_new
 
 __all__ = ["CommitStrategy", "DirLock", "fsync_path", "disk_error", "TMP_MARKER", "LOCK_SUFFIX", "STAGING_NAME",
            "weight_files", "OWNER_SUFFIX", "PACKAGE", "JOURNAL", "JOURNAL_LIMIT", "make_owned", "drop_marker",
-           "read_marker", "writer_alive", "remove_dir", "plain_name", "signals_held", "subdirectory"]
+           "read_marker", "writer_alive", "remove_dir", "plain_name", "signals_held", "subdirectory", "make_dirs",
+           "remove_made_dirs"]
 
 TMP_MARKER = ".hfckpt-tmp-"
 LOCK_SUFFIX = ".hfckpt-lock"
@@ -114,9 +115,9 @@ class DirLock:
                 raise DestinationError(f"{self.what}: another export into it is running (pid {holder} holds "
                                        f"{self.path}); wait for it to finish or choose another directory")
             if self._same(fd):  # the previous holder unlinks the file before unlocking: retry on a fresh one
+                self._fd = fd  # held from here: release() unlinks it, also when the write below fails (ENOSPC)
                 os.ftruncate(fd, 0)
                 os.write(fd, f"{os.getpid()}\n".encode())
-                self._fd = fd
                 return
             os.close(fd)
 
@@ -167,18 +168,22 @@ def make_owned(dir_fd: int, name_of, *, make_dir: bool = True, tries: int = 8):
         name = name_of(nonce)
         record = {"package": PACKAGE, "pid": os.getpid(), "host": _host(), "nonce": nonce, "entry": name}
         try:
-            with open_new(name + OWNER_SUFFIX, "w", dir_fd=dir_fd, encoding="utf-8") as fh:
-                json.dump(record, fh)
+            fh = open_new(name + OWNER_SUFFIX, "w", dir_fd=dir_fd, encoding="utf-8")
         except FileExistsError:
             continue
         _LIVE_NONCES.add(nonce)
-        if not make_dir:
-            return name, nonce
         try:
-            os.mkdir(name, dir_fd=dir_fd)  # mkdir never follows a link at its name
-            return name, nonce
+            with fh:
+                json.dump(record, fh)
+            if make_dir:
+                os.mkdir(name, dir_fd=dir_fd)  # mkdir never follows a link at its name
         except FileExistsError:
             drop_marker(dir_fd, name, nonce)
+            continue
+        except BaseException:  # ENOSPC writing the marker or making the entry (out of inodes): undo the marker
+            drop_marker(dir_fd, name, nonce)
+            raise
+        return name, nonce
     raise FileExistsError(errno.EEXIST, f"no free name for a staging entry after {tries} tries (entries named "
                                         "like it keep appearing)")
 
@@ -333,3 +338,39 @@ def subdirectory(path) -> Optional[str]:
             if entry.is_dir(follow_symlinks=False):
                 return entry.name
     return None
+
+
+def make_dirs(path) -> List[str]:
+    """``os.makedirs(path, exist_ok=True)``, returning the directories it created, outermost first,
+    so that a caller that fails later can remove them (:func:`remove_made_dirs`)."""
+    path = os.path.abspath(os.fspath(path))
+    missing = []
+    while not os.path.lexists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    made = []
+    try:
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                continue  # made by someone else meanwhile: not ours to remove
+            made.append(d)
+        if missing and not os.path.isdir(missing[0]):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", missing[0])
+    except BaseException:
+        remove_made_dirs(made)
+        raise
+    return made
+
+
+def remove_made_dirs(made: List[str]) -> None:
+    """Remove the directories :func:`make_dirs` created, innermost first, each only while empty."""
+    for d in reversed(made):
+        try:
+            os.rmdir(d)
+        except OSError:
+            return

@@ -94,28 +94,29 @@ def verify_checkpoint(dst, against, *, tag: Optional[str] = None, config: Option
     from .sources.registry import find_source
     from .sources.universal import is_universal_dir
 
-    if is_universal_dir(dst) and find_source(os.fspath(against), tag).NAME in ("deepspeed", "deepspeed-pipeline"):
+    source = find_source(os.fspath(against), tag)  # once: the universal check and the config both ask it
+    if is_universal_dir(dst) and source.NAME in ("deepspeed", "deepspeed-pipeline"):
         from .universal_writer import verify_universal  # a universal checkpoint: every state, bitwise
 
         return verify_universal(dst, against, tag=tag, config=config, tp_rules=tp_rules)
-    config = config if config is not None else _pipeline_export_config(dst, against, tag)
+    config = config if config is not None else _export_config(source, dst, against, tag)
     plan = sources.build_plan(against, tag=tag, config=config, tp_rules=tp_rules, source_options=source_options,
-                              layout_cache=False)
+                              layout_cache=False, source=source)
     with bad_metadata_as_input(dst):  # a hand-edited index or header of dst is bad input, not a bug
         return verify_plan(plan, dst)
 
 
-def _pipeline_export_config(dst, against, tag) -> Optional[str]:
-    """``dst`` when it is the export of a pipeline save that keeps no config beside it: the HF names
-    come from a config (the name map is its model_type's), and the export wrote that config into
-    ``dst``. None otherwise (the config beside the source, as export found it, decides)."""
+def _export_config(source, dst, against, tag) -> Optional[str]:
+    """``dst`` when it is the export of a checkpoint whose plan needs the model's config
+    (``source.needs_config``: a pipeline save's HF names, FSDP1 LOCAL_STATE_DICT's parameter shapes)
+    and that keeps none beside it: the export wrote that config into ``dst``. None otherwise (the
+    config beside the source, as export found it, decides)."""
     from .sources.passes import find_config_dir
-    from .sources.registry import find_source
 
-    if not os.path.isfile(os.path.join(os.fspath(dst), "config.json")):
+    needs = getattr(source, "needs_config", None)
+    if needs is None or not os.path.isfile(os.path.join(os.fspath(dst), "config.json")):
         return None
-    source = find_source(os.fspath(against), tag)
-    if source.NAME != "deepspeed-pipeline" or find_config_dir(source.config_candidates(os.fspath(against), tag)):
+    if not needs(os.fspath(against), tag) or find_config_dir(source.config_candidates(os.fspath(against), tag)):
         return None
     return os.fspath(dst)
 

@@ -47,8 +47,8 @@ from .outfiles import open_dir
 # The lock, the owner markers and the interface live in ._staging, the save-time merge in
 # ._merge_commit; every name stays importable from here.
 from ._staging import (LOCK_SUFFIX, OWNER_SUFFIX, PACKAGE, STAGING_NAME, TMP_MARKER, CommitStrategy,  # noqa: F401
-                       DirLock, disk_error, drop_marker, fsync_path, make_owned, read_marker, remove_dir,
-                       signals_held, subdirectory, weight_files, writer_alive)
+                       DirLock, disk_error, drop_marker, fsync_path, make_dirs, make_owned, read_marker, remove_dir,
+                       remove_made_dirs, signals_held, subdirectory, weight_files, writer_alive)
 from ._merge_commit import MergeIntoCheckpoint
 
 __all__ = ["CommitStrategy", "SiblingSwap", "MergeIntoCheckpoint", "DirLock", "fsync_path", "disk_error",
@@ -189,10 +189,13 @@ class SiblingSwap(CommitStrategy):
                                    "or choose another directory")
 
     def begin(self) -> str:
+        """Check ``dst``, take its lock, clear leftovers and make the marked staging directory; every
+        step undone when a later one fails (ENOSPC, out of inodes, an interrupt): nothing is left."""
         self._resolve()
+        made: List[str] = []
         try:
             try:
-                os.makedirs(self._parent, exist_ok=True)
+                made = make_dirs(self._parent)
                 self._dir = open_dir(self._parent)
                 self._lock.acquire()
                 self._remove_stale()
@@ -211,6 +214,7 @@ class SiblingSwap(CommitStrategy):
             if self._name is not None:
                 self._discard_staging()
             self._release()
+            remove_made_dirs(made)
             raise
         return self.path
 

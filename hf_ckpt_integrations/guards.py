@@ -16,8 +16,8 @@ from typing import Iterable, Optional
 
 from .errors import CheckpointError, DestinationError, LayoutError, OptionError, one_line
 
-__all__ = ["read_small_text", "read_latest", "check_tag_name", "config_problem", "read_config", "copyable_problem",
-           "check_destination", "is_or_holds", "bad_metadata_as_input", "refuse_unreadable_layouts", "LATEST_LIMIT", "CONFIG_LIMIT"]
+__all__ = ["open_regular", "check_inside", "source_root", "plan_paths", "read_small_text", "read_latest", "check_tag_name", "config_problem", "read_config", "copyable_problem",
+           "check_destination", "is_or_holds", "bad_metadata_as_input", "refuse_unreadable_layouts", "claim_file", "LATEST_LIMIT", "CONFIG_LIMIT"]
 
 LATEST_LIMIT = 4096  # DeepSpeed writes the tag name alone ("global_step1000")
 CONFIG_LIMIT = 16 * 2**20  # config.json; a real one is a few KB
@@ -41,7 +41,7 @@ def read_small_text(path, *, limit: int, what: str) -> str:
         raise CheckpointError(f"{path}: {what} is {st.st_size:,} bytes, more than the {limit:,} it can be; "
                               "the file is not what the engine wrote: replace it")
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as fh:
             raw = fh.read(limit + 1)
     except OSError as e:
@@ -50,6 +50,82 @@ def read_small_text(path, *, limit: int, what: str) -> str:
         return raw[:limit].decode("utf-8")
     except UnicodeDecodeError:
         raise CheckpointError(f"{path}: {what} is not UTF-8 text; the file is corrupt: replace it") from None
+
+
+def _outside(path: str, root, what: str) -> Optional[str]:
+    real, real_root = os.path.realpath(path), os.path.realpath(os.fspath(root))
+    if _inside(real, real_root):
+        return None
+    return (f"{path}: {what} resolves to {real}, outside {os.fspath(root)} (a symbolic link leading out of the "
+            "checkpoint: what it points at is no part of it, and reading it would mix another file into the "
+            "export); replace the link with the file itself, or remove it")
+
+
+def source_root(src) -> str:
+    """The tree the files of the checkpoint ``src`` belong to: ``src`` itself, except for a Hugging
+    Face cache snapshot (``…/models--x/snapshots/<rev>``, whose files are links into ``…/blobs``),
+    which belongs to its repository folder."""
+    real = os.path.realpath(os.fspath(src))
+    parent = os.path.dirname(real)
+    if os.path.basename(parent) == "snapshots" and os.path.isdir(os.path.join(os.path.dirname(parent), "blobs")):
+        return os.path.dirname(parent)
+    return real
+
+
+def check_inside(paths: Iterable[str], root, *, what: str = "a file the export reads") -> None:
+    """Refuse (:class:`CheckpointError`, naming the first) a path of ``paths`` that resolves outside
+    ``root``: a link inside the tree is fine, one leading out of it is not."""
+    seen = set()
+    for path in paths:
+        path = os.fspath(path)
+        if path in seen:
+            continue
+        seen.add(path)
+        problem = _outside(path, root, what)
+        if problem:
+            raise CheckpointError(problem)
+
+
+def plan_paths(plan) -> Iterable[str]:
+    """Every file path an :class:`~.plan.ExportPlan` reads bytes from (its pieces, replicas, chunks,
+    module copies, tied copies) and the files it lists."""
+    yield from plan.files
+    for t in plan.tensors:
+        groups = list(t.parts) + list(t.replicas)
+        if t.module_check:
+            groups += list(t.module_check[0]) + list(t.module_check[1])
+        groups += [list(c.pieces) for c in (t.chunks or ())]
+        groups += [list(c.pieces) for _, chunks in t.tied_copies for c in chunks]
+        for group in groups:
+            for p in group:
+                yield p.path
+
+
+def open_regular(path, *, root=None, limit: Optional[int] = None, what: str = "the file"):
+    """A binary file object reading ``path``, the way every file a source or an option reads is
+    opened: it must resolve inside ``root`` when one is given (:func:`check_inside`), be a regular
+    file (opened ``O_NONBLOCK``, then checked on the descriptor: a FIFO refuses instead of hanging,
+    a device or directory is refused) of at most ``limit`` bytes when given. Raises
+    :class:`CheckpointError` naming ``path`` and the fix; never quotes the content."""
+    path = os.fspath(path)
+    if root is not None:
+        check_inside([path], root, what=what)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror}); check the path and permissions") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # on the descriptor: what was opened, not what was looked at
+            raise CheckpointError(f"{path}: {what} is not a regular file (a FIFO, device or directory); replace it "
+                                  "with the file itself")
+        if limit is not None and st.st_size > limit:
+            raise CheckpointError(f"{path}: {what} is {st.st_size:,} bytes, more than the {limit:,} it can be; the "
+                                  "file is not what it should be: replace it")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def check_tag_name(tag: str, origin: str) -> str:
@@ -121,7 +197,7 @@ def read_config(config_dir) -> dict:
         if os.path.getsize(p) > CONFIG_LIMIT:
             raise CheckpointError(f"{p}: larger than {CONFIG_LIMIT:,} bytes, not a model config; pass --config a "
                                   "directory holding the model's config.json")
-        with open(p, "rb") as fh:
+        with open_regular(p, root=config_dir, limit=CONFIG_LIMIT, what="config.json") as fh:
             cfg = json.loads(fh.read(CONFIG_LIMIT + 1).decode("utf-8"))
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{p}: unreadable ({one_line(str(e))[:200]}); fix it or pass --config a directory "
@@ -214,3 +290,24 @@ def refuse_unreadable_layouts(tag_dir: str, names: Iterable[str]) -> None:
         raise LayoutError(f"{tag_dir}: holds {both[0]} (a ZeRO-1/2 save) beside zero_pp_rank_*_mp_rank_"
                           f"{_ZERO12_MODEL_RE.match(both[0]).group(1)}_model_states.pt (ZeRO-3 saves); files from "
                           "different saves are mixed: copy one save's tag directory again")
+
+
+def claim_file(slots: dict, key, path: str, *, where: str, what: str = "rank", canonical: Optional[str] = None,
+               value=None) -> None:
+    """Place the file ``path`` (or ``value`` standing for it, which must keep a ``path`` attribute or be
+    the path) at ``slots[key]``: the one rule every source listing per-rank, per-layer or
+    per-partition files follows. Ranks come from the numbers in the names, so ``rank_1`` and
+    ``rank_01`` are one rank: a second file for a key taken is refused naming both (reading either
+    would silently drop the other, and one of them was copied in or edited). ``canonical`` is the
+    name the engine writes for ``key``: when one of the two is it, the refusal says to remove the other.
+    """
+    if key in slots:
+        held = slots[key]
+        first = os.path.basename(getattr(held, "path", held))
+        name = os.path.basename(path)
+        odd = [n for n in (first, name) if n != canonical] if canonical in (first, name) else []
+        fix = (f"remove {odd[0]} (the engine writes {canonical})" if len(odd) == 1 else
+               "remove the one this save did not write (copied in from elsewhere, or renamed)")
+        raise LayoutError(f"{where}: {first} and {name} both claim {what} {key}; one was copied in from elsewhere "
+                          f"or renamed: {fix}")
+    slots[key] = path if value is None else value

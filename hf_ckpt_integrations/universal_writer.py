@@ -43,6 +43,7 @@ from collections import OrderedDict
 from typing import Dict, Optional, Sequence
 
 from .errors import CheckpointError, LayoutError, short_repr
+from .guards import check_inside, plan_paths, source_root
 from .assemble import FileRange
 from .formats.torch_files import TensorRef
 from .formats.torch_save_out import OutTensor, TorchSize, archive_name, save as save_torch_file
@@ -50,7 +51,8 @@ from .mapped_files import MappedFiles
 from .outfiles import open_new
 from .plan import ExportPlan, TensorPlan, check_plan
 
-__all__ = ["plan_universal", "write_universal_checkpoint", "verify_universal", "universal_summary", "UC_VERSION"]
+__all__ = ["plan_universal", "write_universal_checkpoint", "verify_universal", "universal_summary", "UC_VERSION",
+           "STATE_LIMIT"]
 
 # deepspeed/checkpoint/constants.py UNIVERSAL_CHECKPOINT_VERSION_VALUE (0.19.8); shapes and cat_dim only,
 # which every version reads.
@@ -59,6 +61,9 @@ ZERO_DIR = "zero"
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 # What the source's optimizer file holds besides the partitions that a loader reads (plain values).
 _GLOBAL_FIELDS = ("ds_version", "clip_grad", "dynamic_loss_scale", "overflow", "zero_stage")
+# A non-tensor optimizer state (``step``: a number, a 0-d tensor; a few per group) is copied into every
+# parameter's folder: beyond this many bytes it is not an optimizer's per-group value.
+STATE_LIMIT = 1 << 16
 _MODEL_FIELDS = ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "dp_world_size", "ds_config",
                  "ds_version", "data_sampler", "random_ltd")
 
@@ -94,6 +99,7 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
     # A PipelineModule save keeps the module's own names ("{layer}.{name}", what load_universal looks up);
     # its name map (from the config's model_type) gives only the TP rules.
     plan = pipeline.universal_plan(ctx) if source is pipeline else ds.plan(ctx)
+    check_inside(plan_paths(plan), source_root(src), what="a file of the checkpoint")  # as every plan (registry)
     plan.config_dir = config_dir
     check_plan(plan)
     tag_dir, _ = resolve_tag_dir(src, tag)
@@ -227,6 +233,7 @@ def write_universal_checkpoint(src, dst, *, tag: Optional[str] = None, config: O
 
     start = time.monotonic()
     plan, states, model = plan_universal(src, tag=tag, config=config, tp_rules=tp_rules)
+    check_states(plan, states)  # before anything is written
     notes = list(plan.notes)
     strategy = export_strategy(dst, plan)
     staging = strategy.begin()
@@ -251,9 +258,56 @@ def _param_dict(t: TensorPlan, tensor: OutTensor) -> dict:
     return out
 
 
-def _write(plan: ExportPlan, states, model, staging, notes) -> Dict[str, int]:
+def check_states(plan: ExportPlan, states) -> None:
+    """Refuse, by name, optimizer states this layout cannot hold: a state whose file name
+    (``zero/<param>/<state>.pt``) is another's — ``fp32`` (the master's file), or two names one file
+    system takes for one (``exp_avg``/``EXP_AVG`` where case is folded) — and a non-tensor state
+    larger than :data:`STATE_LIMIT` (it is copied into every parameter's folder)."""
+    where = f"{plan.source} (optimizer state)"
+    taken = {"fp32": "the fp32 master weights"}
     for name in states.tensor_names + states.scalar_names:  # each becomes a file name
-        _check_name(name, f"{plan.source} (optimizer state)")
+        _check_name(name, where)
+        key = name.casefold()
+        if key in taken:
+            raise LayoutError(f"{where}: the optimizer holds a state named {short_repr(name)}, whose file {name}.pt "
+                              f"is {taken[key]}'s in a universal checkpoint (zero/<param>/<state>.pt); "
+                              "DeepSpeed's layout cannot hold both: rename the state in the optimizer")
+        taken[key] = f"optimizer state {short_repr(name)}"
+    for t in plan.tensors:
+        if t.kind == "buffer" or not states.has_states(t):
+            continue
+        for name in states.scalar_names:
+            size = _plain_size(states.scalar(t, name), STATE_LIMIT)
+            if size > STATE_LIMIT:
+                raise LayoutError(f"{plan.source}: optimizer state {short_repr(name)} of {t.name} holds more than "
+                                  f"{STATE_LIMIT:,} bytes of non-tensor data (a per-group value such as the step is "
+                                  "a number), and would be copied into every parameter's folder; the optimizer "
+                                  "state is corrupt or not one a universal checkpoint carries")
+
+
+def _plain_size(value, limit: int) -> int:
+    """About how many bytes ``value`` (plain data or tensors) pickles to; stops counting past ``limit``."""
+    total, todo = 0, [value]
+    while todo and total <= limit:
+        v = todo.pop()
+        if isinstance(v, TensorRef):
+            total += v.numel * 8
+        elif isinstance(v, (str, bytes)):
+            total += len(v) + 8
+        elif isinstance(v, dict):
+            total += 8
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            total += 8
+            todo.extend(v)
+        else:
+            total += 8
+    return total
+
+
+def _write(plan: ExportPlan, states, model, staging, notes) -> Dict[str, int]:
+    check_states(plan, states)
     zero = os.path.join(staging, ZERO_DIR)
     os.mkdir(zero)
     out = {"files": 0, "bytes": 0, "buffers": OrderedDict(), "steps": [], "shapes": OrderedDict(),

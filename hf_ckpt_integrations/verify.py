@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .assemble import check_module_copy, iter_bytes
 from .errors import short_repr
+from .guards import open_regular
 from .formats.dtypes import SIZES as DTYPE_SIZES
 from .formats.names import (ADAPTER_BIN_NAME, ADAPTER_SAFETENSORS_NAME, BIN_INDEX, BIN_NAME, CONFIG_NAME,
                             SAFETENSORS_INDEX, SAFETENSORS_NAME)
@@ -49,9 +50,10 @@ def loaded_weights(dst, *, adapter: bool = False) -> Tuple[Optional[str], List[s
     if not adapter:
         explicit = None
         try:
-            with open(os.path.join(dst, CONFIG_NAME), "rb") as fh:
-                cfg = json.loads(fh.read(2**20))
-            explicit = cfg.get("transformers_weights") if isinstance(cfg, dict) else None
+            if os.path.lexists(os.path.join(dst, CONFIG_NAME)):  # (a FIFO there is refused, never waited on)
+                with open_regular(os.path.join(dst, CONFIG_NAME), root=dst, what=CONFIG_NAME) as fh:
+                    cfg = json.loads(fh.read(2**20))
+                explicit = cfg.get("transformers_weights") if isinstance(cfg, dict) else None
         except (OSError, ValueError, RecursionError):
             pass  # no readable config.json: from_pretrained reads none either, the default order holds
         if explicit is not None:

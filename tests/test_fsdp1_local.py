@@ -149,3 +149,13 @@ def test_unit_params_follow_fsdp1s_flattening_order():
     assert loose == []
     _, _, loose = unit_params(model, ["model.layers.0"], "x")
     assert "model.layers.1.mlp.up_proj.weight" in [n for n, _ in loose]
+
+
+def test_verify_takes_the_exports_own_config(local_case, tmp_path):
+    """The files keep no config beside them and only the config's model splits them: verify without
+    --config reads the config.json the export wrote into DST (sources' needs_config hook)."""
+    case, src = local_case
+    out = tmp_path / "out"
+    assert hf_ckpt("export", src, out, "--config", case / "config").returncode == 0
+    v = hf_ckpt("verify", out, "--against", src)
+    assert v.returncode == 0 and "bitwise equal" in v.stdout, v.stdout[-2000:] + v.stderr[-2000:]

@@ -310,7 +310,7 @@ def test_two_files_claim_one_rank(z2, tmp_path, pair):
     """Today the later name silently wins."""
     src, config = z2
     shutil.copy(src / TAG / pair[0], src / TAG / pair[1])
-    export_refused(src, tmp_path, *pair, "claim the same rank", extra=("--config", config))
+    export_refused(src, tmp_path, *pair, "both claim", extra=("--config", config))
 
 
 def test_swapped_ranks_with_identical_records_zero2_dp12(engine_ckpt, tmp_path):

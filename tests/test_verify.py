@@ -88,3 +88,23 @@ def test_a_missing_and_an_extra_tensor_are_named(exported):
     report = api.verify_checkpoint(dst, src)
     assert sorted(report.differences) == sorted([f"{gone}: missing from {dst}",
                                                  f"extra.weight: in {dst} but not in the source"]), report.differences
+
+
+def test_verify_finds_the_source_once(tmp_path, monkeypatch):
+    """verify_checkpoint asks the registry once: the universal check, the export's config and the plan
+    share the source it found."""
+    import torch
+
+    from hf_ckpt_integrations import export_checkpoint, verify_checkpoint
+    from hf_ckpt_integrations.sources import registry
+
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save({"a.weight": torch.ones(2, 3)}, src / "pytorch_model.bin")
+    export_checkpoint(src, tmp_path / "out")
+    (tmp_path / "out" / "config.json").write_text("{}")  # what makes verify look for the export's config
+    calls = []
+    real = registry.find_source
+    monkeypatch.setattr(registry, "find_source", lambda *a: calls.append(a) or real(*a))
+    assert verify_checkpoint(tmp_path / "out", src).ok
+    assert len(calls) == 1, calls

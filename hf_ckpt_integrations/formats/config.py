@@ -59,7 +59,7 @@ def copy_config_files(config_dir: Optional[str], directory, skipped: Optional[Li
     """Copy the :data:`~.names.CONFIG_FILES` that ``config_dir`` holds into ``directory``; return their
     names. Only regular files inside ``config_dir`` are copied (a link inside it is followed); each
     file skipped is reported by a message appended to ``skipped`` (a warning when None)."""
-    from ..guards import copyable_problem
+    from ..guards import copyable_problem, open_regular
 
     copied = []
     if not config_dir:
@@ -77,7 +77,7 @@ def copy_config_files(config_dir: Optional[str], directory, skipped: Optional[Li
             continue
         real, out = os.path.realpath(p), os.path.join(directory, name)
         if real != os.path.realpath(out):  # a save-time hook writes into the config dir itself
-            with open(real, "rb") as fh:
+            with open_regular(real, root=config_dir, what=name) as fh:
                 replace_file(out, source=fh)  # a link at ``out`` is replaced, not written through
             copied.append(name)
     return copied

@@ -14,6 +14,9 @@ import re
 from typing import Callable, Dict, Optional
 
 from ..errors import CheckpointError, one_line
+from ..guards import open_regular
+
+INDEX_LIMIT = 256 * 2**20  # a weight index (JSON); a real one of a 1T-parameter model is a few MB
 
 __all__ = ["SAFETENSORS_NAME", "SAFETENSORS_INDEX", "SAFETENSORS_PATTERN", "BIN_NAME", "BIN_INDEX", "BIN_PATTERN",
            "INDEX_NAMES", "SINGLE_NAMES", "CONFIG_FILES", "CONFIG_NAME", "GENERATION_CONFIG_NAME",
@@ -142,8 +145,8 @@ def read_index(path) -> Dict[str, str]:
     the same directory (never a path that leads out of it). Raises
     :class:`~..errors.CheckpointError` naming the index otherwise."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            weight_map = json.load(fh)["weight_map"]
+        with open_regular(path, limit=INDEX_LIMIT, what="the weight index") as fh:  # a FIFO refuses, never hangs
+            weight_map = json.loads(fh.read(INDEX_LIMIT + 1).decode("utf-8"))["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: unreadable index ({one_line(str(e))[:200]}); save the model again") from e
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)

@@ -14,6 +14,7 @@ import struct
 from typing import Dict, Iterable, NamedTuple, Optional, Tuple
 
 from ..errors import CheckpointError
+from ..guards import open_regular
 from .dtypes import FLOATS, SIZES
 
 __all__ = ["TensorEntry", "Header", "read_header", "read_hf_dir", "encode_header", "floating_dtypes", "MAX_HEADER",
@@ -54,7 +55,7 @@ def read_header(path, *, check_loader: bool = True) -> Header:
                                "to load it: export it again")
 
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path, what="the safetensors file") as fh:  # a FIFO refuses, never hangs
             raw = fh.read(8)
             if len(raw) != 8:
                 raise bad("shorter than its 8-byte header length")

@@ -26,6 +26,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
+from .. import guards
 from ..errors import CheckpointError, UnsafeCheckpointError, short_repr
 from .dtypes import MAX_NDIM, SIZES as DTYPE_SIZES, STORAGE_CLASSES, TORCH_NAMES
 from .unpickler import CONTAINERS, MAX_PICKLE_BYTES, Leaf, loads
@@ -475,7 +476,7 @@ def load(path, *, offset: int = 0, length: Optional[int] = None, allowed: Option
     if where == path and is_legacy(path):
         return _load_legacy(path, file_size, TORCH_ALLOWED if allowed is None else allowed)
     try:
-        with open(path, "rb") as raw:
+        with guards.open_regular(path, what="the checkpoint file") as raw:  # a FIFO or device refuses, never hangs
             fh = raw if where == path else FileWindow(raw, offset, size)
             with _open_zip(fh, where) as zf:
                 pkl = _pickle_entry(zf, where)

@@ -13,7 +13,7 @@ __all__ = ["build_plan"]
 
 
 def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None, source_options=None, layout_cache=True,
-               keep_fp32_lists=False, peft_base=False):
+               keep_fp32_lists=False, peft_base=False, source=None):
     """Build the export plan for any supported checkpoint directory ``src``: the first source of the
     registry that claims it plans it, then the shared passes run, ending with
     :func:`~..plan.check_plan` (the writer never starts on a plan safetensors could not load).
@@ -28,7 +28,8 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None, source_
     ``layout_cache=False``: the Hub layout is derived from transformers, never read from its cache.
     ``keep_fp32_lists``: the plan records the model class's fp32-kept modules whatever the dtype
     (what ``inspect`` shows), from the export's one config read. ``peft_base``: plan the base model a
-    PEFT checkpoint holds beside its adapter (``--merge-adapters`` without ``--base``).
+    PEFT checkpoint holds beside its adapter (``--merge-adapters`` without ``--base``). ``source``: the
+    source :func:`~.registry.find_source` already found for ``src`` and ``tag`` (not looked up again).
     """
     src = os.fspath(src)
     if not src.strip():
@@ -50,7 +51,7 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None, source_
         given["tp_rules"] = (list(extra) if isinstance(extra, (list, tuple)) else [extra]) + list(tp_rules)
     options = check_options(given)
     with bad_metadata_as_input(src):
-        source = find_source(src, tag)
+        source = source if source is not None else find_source(src, tag)
         plan = plan_with(source, src, tag=tag, dtype=dtype, config=config, options=options,
                          layout_cache=layout_cache, keep_fp32_lists=keep_fp32_lists, peft_base=peft_base)
     if plan.config_dir is None and plan.adapter is None:  # say why a config.json beside the checkpoint was not used

@@ -25,6 +25,7 @@ import os
 import re
 from typing import Dict, List, Optional, Tuple
 
+from .. import guards
 from ..formats import torch_files, unpickler
 from ..formats.dtypes import MAX_NDIM, SIZES as DTYPE_SIZES
 from ..errors import CheckpointError, LayoutError, one_line, short_repr
@@ -125,7 +126,7 @@ def find_dcp_dir(src: str) -> Optional[str]:
 
 def _is_pickle(path):
     try:
-        with open(path, "rb") as fh:
+        with guards.open_regular(path, what="the DCP metadata") as fh:  # a FIFO refuses, never hangs
             return fh.read(1) == b"\x80"  # PROTO: torch pickles .metadata; the HF writer's is JSON
     except OSError:
         return False
@@ -256,7 +257,7 @@ def check_archive_crcs(path: str, archives: List[Tuple[int, int]], ranges: List[
 
     spans = sorted((o, o + n) for o, n in ranges if n)
     bad = []
-    with open(path, "rb") as fh:
+    with guards.open_regular(path, what="a DCP data file") as fh:
         for start, length in archives:
             if not any(lo < start + length and start < hi for lo, hi in spans):
                 continue

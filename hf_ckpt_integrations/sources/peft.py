@@ -24,6 +24,7 @@ import time
 import re
 from typing import Dict, Iterable, List, Optional, Sequence
 
+from .. import guards
 from ..errors import CheckpointError, LayoutError, one_line
 
 __all__ = ["ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "adapter_names_in", "save_name", "find_adapter_config",
@@ -109,8 +110,8 @@ def read_adapter_config(path) -> dict:
         if os.path.getsize(path) > _CONFIG_LIMIT:
             raise CheckpointError(f"{path}: larger than {_CONFIG_LIMIT:,} bytes, not an adapter config; pass "
                                   "--config a directory holding the adapter_config.json peft wrote")
-        with open(path, "rb") as fh:
-            cfg = json.loads(fh.read().decode("utf-8"))
+        with guards.open_regular(path, limit=_CONFIG_LIMIT, what="adapter_config.json") as fh:
+            cfg = json.loads(fh.read(_CONFIG_LIMIT + 1).decode("utf-8"))
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: unreadable ({str(e)[:200]}); fix it or pass --config a directory holding "
                               "the adapter_config.json peft wrote") from None

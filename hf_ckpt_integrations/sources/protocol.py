@@ -53,7 +53,9 @@ class Source(Protocol):
     ``TIED_UNDER_BOTH_NAMES`` (bool: its state dicts hold a tied weight under both names),
     ``YIELDS_TO`` (names of sources whose complete checkpoint in the same directory comes first) and
     ``holds_checkpoint(path) -> bool`` (a complete checkpoint of this kind resolves at
-    ``path`` without a tag; what ``YIELDS_TO`` asks)."""
+    ``path`` without a tag; what ``YIELDS_TO`` asks) and ``needs_config(path, tag) -> bool`` (its plan
+    cannot be made without the model's config.json: names or shapes come from it; ``verify`` then
+    takes the config the export wrote into DST when none is beside the source)."""
 
     NAME: str  # the engine name plans carry
     LOOKS_FOR: str  # what it recognises, in words (listed when no source claims a path)
@@ -112,7 +114,9 @@ def check_source(source, registered: Sequence = (), everyone: Sequence = ()) -> 
         names = [o.name for o in options]
         if len(set(names)) != len(names) or not all(n.isidentifier() for n in names):
             problems.append(f"OPTIONS names must be unique identifiers (got {names})")
-    for attr, want in (("detect", 2), ("config_candidates", 2), ("plan", 1)):
+    hooks = [("detect", 2), ("config_candidates", 2), ("plan", 1)]
+    hooks += [("needs_config", 2)] if hasattr(source, "needs_config") else []
+    for attr, want in hooks:
         fn = getattr(source, attr, None)
         arity = _positional_arity(fn) if callable(fn) else None
         if not callable(fn):

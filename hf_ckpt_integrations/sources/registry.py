@@ -23,6 +23,7 @@ import os
 from typing import Any, Dict, Mapping, Optional
 
 from ..errors import CheckpointError
+from ..guards import check_inside, plan_paths, source_root
 from ..formats.names import CONFIG_NAME
 from ..plan import ExportPlan
 from . import dcp, deepspeed, fsdp_rank_files, hf_dir, hub_layout, peft, universal
@@ -123,6 +124,9 @@ def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[s
     config_dir = config if config is not None else find_config_dir(source.config_candidates(path, tag))
     ctx = PlanContext(path, tag=tag, dtype=dtype, options=ctx_options, config_dir=config_dir)
     plan = source.plan(ctx)
+    # Every file the plan reads lies in the checkpoint's tree: a link leading out of it would mix
+    # another file's bytes into the export silently.
+    check_inside(plan_paths(plan), source_root(path), what="a file of the checkpoint")
     plan.config_dir = config_dir
     if ignored:
         plan.notes.append(f"option(s) {', '.join(ignored)} do not apply to a {source.NAME} checkpoint: ignored")

@@ -9,6 +9,7 @@ files copied from the original save (parameter order, buffers, tied parameters).
 import os
 from typing import List, Optional
 
+from .. import guards
 from ..errors import CheckpointError, LayoutError
 from ..formats.torch_files import TensorRef
 from ..plan import ExportPlan, Piece, TensorPlan
@@ -48,17 +49,44 @@ def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
     return [d, os.path.dirname(d), os.path.dirname(os.path.dirname(d))]
 
 
+def _recorded_parameters(meta) -> List[str]:
+    """The parameter names the model states record (``param_shapes``: one mapping per parameter group,
+    or one mapping; ``frozen_param_shapes``), in order; [] when it records none."""
+    groups = meta.get("param_shapes")
+    groups = [groups] if isinstance(groups, dict) else groups if isinstance(groups, list) else []
+    frozen = meta.get("frozen_param_shapes")
+    groups = groups + ([frozen] if isinstance(frozen, dict) else [])
+    return [str(n) for g in groups if isinstance(g, dict) for n in g]
+
+
+def _check_every_parameter(meta, names, zero) -> None:
+    """Every parameter the model states record has its ``zero/<name>/fp32.pt``: one missing (or not a
+    regular file) would be left out of the export silently when no config lists the model's tensors."""
+    have = set(names)
+    missing = [n for n in _recorded_parameters(meta) if n not in have]
+    if missing:
+        raise CheckpointError(f"{os.path.join(zero, missing[0], 'fp32.pt')}: missing or not a regular file (the model "
+                              f"states record {len(missing)} parameter(s) without their zero/<name>/fp32.pt); the "
+                              "universal checkpoint is incomplete: convert or copy it again")
+
+
 def plan(ctx: PlanContext) -> ExportPlan:
     """Plan the export of the universal checkpoint at ``ctx.path`` (or ``path/tag``); the dtype does
     not apply (ds_to_universal merged the slices; the writer casts)."""
     path = os.path.abspath(_resolve(ctx.path, ctx.tag))
     zero = os.path.join(path, "zero")
     names = sorted(n for n in os.listdir(zero) if os.path.isfile(os.path.join(zero, n, "fp32.pt")))
+    # Each zero/<param>/ entry and the model states belong to this checkpoint: a link leading out of
+    # it (a directory of another run's weights) is refused before anything is read.
+    guards.check_inside([os.path.join(zero, n, "fp32.pt") for n in names], guards.source_root(ctx.path),
+                        what="a zero/<param>/ entry of the universal checkpoint")
     order, buffers, shared = [], {}, {}
     model_states = os.path.join(path, "mp_rank_00_model_states.pt")
     if os.path.isfile(model_states):
+        guards.check_inside([model_states], guards.source_root(ctx.path), what="the model states")
         meta = deepspeed_pickles.load(model_states)
         module = meta.get("module") or {}
+        _check_every_parameter(meta, names, zero)
         order = [n for n in module if n in names]
         shared = {str(k): str(v) for k, v in (meta.get("shared_params") or {}).items()}
         for n in meta.get("buffer_names") or []:

@@ -69,8 +69,7 @@ class AutoEPExperts:
 def find_autoep_files(tag_dir: str, names: List[str], mp_rank: int) -> Optional[AutoEPExperts]:
     """The AutoEP expert files among ``names`` (the tag dir's listing), or None when the tag holds no
     expert file or its expert files are ``deepspeed.moe``'s (:func:`.moe.find_expert_files`)."""
-    paths = sorted(os.path.join(tag_dir, n) for n in names
-                   if (m := moe.EXPERT_FILE_RE.match(n)) and int(m.group(3)) == mp_rank)
+    paths = sorted(p for by_expert in moe.expert_files(tag_dir, names, mp_rank).values() for p in by_expert.values())
     if not paths:
         return None
     first = load(paths[0])

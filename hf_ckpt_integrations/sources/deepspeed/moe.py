@@ -24,11 +24,12 @@ import os
 import re
 from typing import Callable, Dict, List, Tuple
 
+from ... import guards
 from ...errors import LayoutError
 from ...formats.torch_files import TensorRef
 from .allowlist import load
 
-__all__ = ["EXPERT_FILE_RE", "EXPERT_NAME_RE", "AUTOEP_NAME_RE", "Experts", "find_expert_files", "global_expert_name",
+__all__ = ["EXPERT_FILE_RE", "EXPERT_NAME_RE", "AUTOEP_NAME_RE", "Experts", "expert_name", "expert_files", "find_expert_files", "global_expert_name",
            "TOPOLOGIES", "plan_expert_group"]
 
 EXPERT_FILE_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -69,15 +70,29 @@ class Experts:
         return bool(self.files)
 
 
-def find_expert_files(tag_dir: str, names: List[str], mp_rank: int) -> Experts:
-    """Read the ``layer_L_expert_E_mp_rank_MM_model_states.pt`` files among ``names`` (the tag
-    dir's listing) for ``mp_rank``. Every layer's experts must be 0..N-1, each file naming only
-    its own expert. Raises :class:`LayoutError` naming the file otherwise."""
+def expert_name(layer: int, expert: int, mp_rank: int) -> str:
+    """The expert file name DeepSpeed writes (``engine._get_expert_ckpt_name``)."""
+    return f"layer_{layer}_expert_{expert}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def expert_files(tag_dir: str, names: List[str], mp_rank: int) -> Dict[int, Dict[int, str]]:
+    """``{layer: {expert: path}}`` of ``mp_rank``'s expert files among ``names``; two files for one
+    (layer, expert) are refused (:func:`~...guards.claim_file`)."""
     by_layer: Dict[int, Dict[int, str]] = {}
     for n in names:
         m = EXPERT_FILE_RE.match(n)
         if m and int(m.group(3)) == mp_rank:
-            by_layer.setdefault(int(m.group(1)), {})[int(m.group(2))] = os.path.join(tag_dir, n)
+            layer, expert = int(m.group(1)), int(m.group(2))
+            guards.claim_file(by_layer.setdefault(layer, {}), expert, os.path.join(tag_dir, n), where=tag_dir,
+                              what=f"MoE layer {layer}'s expert", canonical=expert_name(layer, expert, mp_rank))
+    return by_layer
+
+
+def find_expert_files(tag_dir: str, names: List[str], mp_rank: int) -> Experts:
+    """Read the ``layer_L_expert_E_mp_rank_MM_model_states.pt`` files among ``names`` (the tag
+    dir's listing) for ``mp_rank``. Every layer's experts must be 0..N-1, each file naming only
+    its own expert. Raises :class:`LayoutError` naming the file otherwise."""
+    by_layer = expert_files(tag_dir, names, mp_rank)
     weights: Dict[str, TensorRef] = {}
     counts: Dict[str, int] = {}
     files: List[str] = []

@@ -26,6 +26,9 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from ... import guards
+from ...errors import CheckpointError
+
 __all__ = ["NameMap", "MapEntry", "load_map", "builtin_map", "builtin_types", "split_native", "TP_VALUES",
            "ROW_BIAS"]
 
@@ -107,8 +110,10 @@ def _parse(obj, where: str) -> NameMap:
 def load_map(path: str) -> NameMap:
     """A user's name map file; ``ValueError`` saying what is wrong with it."""
     try:
-        with open(path, "rb") as fh:
+        with guards.open_regular(path, limit=_MAX_MAP_BYTES, what="the name map") as fh:  # a FIFO refuses, never hangs
             raw = fh.read(_MAX_MAP_BYTES + 1)
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None
     except OSError as e:
         raise ValueError(f"{path}: cannot read the name map ({e.strerror})") from None
     if len(raw) > _MAX_MAP_BYTES:

@@ -34,10 +34,10 @@ from .allowlist import ALLOWED, load
 from .fields import check_model_types, check_optim_types, meta_int, require, tensor_pieces
 from .name_map import ROW_BIAS, builtin_map, builtin_types, load_map, split_native
 from .pipeline_tp import ROW_BIAS_NOTE, UNIVERSAL_ROW_BIAS, merge_slices, parallel_residual
-from .rank_files import MODEL_RE, OPTIM_RE, claim, resolve_tag_dir
+from .rank_files import MODEL_RE, OPTIM_RE, claim, model_name, optim_name, resolve_tag_dir
 from .zero12 import plan_zero12
 
-__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "ALLOWED", "LAYER_RE", "detect", "config_candidates",
+__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "ALLOWED", "LAYER_RE", "detect", "needs_config", "config_candidates",
            "plan", "universal_plan", "rank_files", "is_pipeline_tag"]
 
 NAME = "deepspeed-pipeline"
@@ -73,6 +73,12 @@ def detect(path: str, tag: Optional[str] = None) -> bool:
     except CheckpointError:
         return False
     return is_pipeline_tag(tag_dir)
+
+
+def needs_config(path: str, tag: Optional[str] = None) -> bool:
+    """Always: the HF names come from a config (the name map is its model_type's), and a pipeline
+    save keeps none beside it (GPT-NeoX keeps its YAML)."""
+    return True
 
 
 def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
@@ -121,16 +127,21 @@ def _list_files(tag_dir):
         path = os.path.join(tag_dir, n)
         if m := LAYER_RE.match(n):
             tp = int(m.group(2)) if m.group(2) is not None else 0
-            claim(layers.setdefault(int(m.group(1)), {}), tp, path, tag_dir, n, os.path.basename)
+            layer = int(m.group(1))
+            claim(layers.setdefault(layer, {}), tp, path, tag_dir, n, what=f"layer {layer}'s tensor-parallel rank",
+                  canonical=f"layer_{layer:02d}" + (f"-model_{tp:02d}" if m.group(2) is not None else "")
+                  + "-model_states.pt")
         elif m := MODEL_RE.match(n):
             if m.group(1) is not None:
                 raise LayoutError(f"{tag_dir}: {n} is a ZeRO-3 model-states file; DeepSpeed pipelines run ZeRO "
                                   "0 or 1 only: files from another save were copied in")
-            claim(models, int(m.group(2)), path, tag_dir, n, os.path.basename)
+            claim(models, int(m.group(2)), path, tag_dir, n, what="model-parallel rank",
+                  canonical=model_name(None, int(m.group(2))))
         elif m := OPTIM_RE.match(n):
             prefixes.add(m.group(1) or "")
             claim(optim.setdefault(int(m.group(3)), {}), int(m.group(2)), _OptimFile(path, int(m.group(2)),
-                  m.group(1) or ""), tag_dir, n, lambda f: os.path.basename(f.path))
+                  m.group(1) or ""), tag_dir, n, what=f"model-parallel rank {int(m.group(3))}'s data-parallel rank",
+                  canonical=optim_name(m.group(1) or "", int(m.group(2)), int(m.group(3))))
     if len(prefixes) > 1:
         raise LayoutError(f"{tag_dir}: optimizer files of different precisions mixed "
                           f"({sorted(p or 'fp32' for p in prefixes)}); keep only one save's files")

@@ -19,10 +19,20 @@ from .bf16_optimizer import is_bf16_optimizer_state
 from .fields import check_optim_types, require
 
 __all__ = ["OPTIM_RE", "MODEL_RE", "RankFile", "is_tag_dir", "list_tags", "resolve_tag_dir", "holds_checkpoint",
-           "claim", "find_rank_files"]
+           "claim", "find_rank_files", "optim_name", "model_name"]
 
 OPTIM_RE = re.compile(r"^(?:(bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+
+
+def optim_name(prefix: str, dp_rank: int, mp_rank: int) -> str:
+    """The optimizer file name DeepSpeed writes (``engine._get_zero_ckpt_name``)."""
+    return f"{prefix + '_' if prefix else ''}zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt"
+
+
+def model_name(dp_rank: Optional[int], mp_rank: int) -> str:
+    """The model-states file name DeepSpeed writes (``engine._get_ckpt_name``; ZeRO-3 adds the dp rank)."""
+    return f"{'' if dp_rank is None else f'zero_pp_rank_{dp_rank}_'}mp_rank_{mp_rank:02d}_model_states.pt"
 
 
 def is_tag_dir(path: str) -> bool:
@@ -82,12 +92,11 @@ def list_tags(src: str) -> List[str]:
         return []
 
 
-def claim(ranks: dict, rank, value, tag_dir, name, name_of):
-    """Place a rank file; two names for one rank (``mp_rank_0`` and ``mp_rank_00``) are refused."""
-    if rank in ranks:
-        raise LayoutError(f"{tag_dir}: {name_of(ranks[rank])} and {name} claim the same rank; one was copied "
-                          "in from elsewhere or renamed: keep the one this save wrote")
-    ranks[rank] = value
+def claim(ranks: dict, rank, value, tag_dir, name, name_of=None, *, what="rank", canonical=None):
+    """Place a rank file (:func:`~...guards.claim_file`): two names for one rank (``mp_rank_0`` and
+    ``mp_rank_00``) are refused, naming both."""
+    guards.claim_file(ranks, rank, os.path.join(tag_dir, name), where=tag_dir, what=what, canonical=canonical,
+                      value=value)
 
 
 class RankFile:
@@ -129,12 +138,14 @@ def find_rank_files(tag_dir: str) -> Tuple[Dict[int, Dict[int, RankFile]], Dict[
             prefix, dp_rank, mp_rank = m.group(1) or "", int(m.group(2)), int(m.group(3))
             prefixes.add(prefix)
             claim(optim.setdefault(mp_rank, {}), dp_rank, RankFile(os.path.join(tag_dir, n), dp_rank, prefix),
-                  tag_dir, n, lambda r: os.path.basename(r.path))
+                  tag_dir, n, what=f"model-parallel rank {mp_rank}'s data-parallel rank",
+                  canonical=optim_name(prefix, dp_rank, mp_rank))
         m = MODEL_RE.match(n)
         if m:
             dp_rank = int(m.group(1)) if m.group(1) is not None else None
             claim(models.setdefault(int(m.group(2)), {}), dp_rank, os.path.join(tag_dir, n), tag_dir, n,
-                   os.path.basename)
+                  what=f"the model states of model-parallel rank {int(m.group(2))}, data-parallel rank",
+                  canonical=model_name(dp_rank, int(m.group(2))))
     if not optim:  # no ZeRO (stage 0): the model-states files alone (see .stage0)
         optim = {mp: {} for mp in models}
     if len(prefixes) > 1:

@@ -49,7 +49,7 @@ from . import local
 from .placement import box_pieces, index_runs, local_indices
 from .stand_ins import ALLOWED, TYPES, DTensorRef, ShardedRef  # ALLOWED: this source's allowlist
 
-__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "OPTIONS", "ALLOWED", "detect",
+__all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "OPTIONS", "ALLOWED", "detect", "needs_config",
            "config_candidates", "plan", "find_rank_files", "local_indices", "DTensorRef"]
 
 NAME = "fsdp-rank-files"
@@ -64,6 +64,10 @@ _VERL_RE = re.compile(r"^model_world_size_(\d{1,6})_rank_(\d{1,6})\.pt$")
 _ACCELERATE_RE = re.compile(r"^pytorch_model_fsdp_0_rank(\d{1,6})\.bin$")
 # FSDP1 LOCAL_STATE_DICT: flat parameters, which only the model's parameter shapes can split.
 _LOCAL_RE = re.compile(r"^pytorch_model_fsdp_rank(\d{1,6})\.bin$")
+# The name each writer gives rank R of W (verl's FSDPCheckpointManager, Accelerate's save_fsdp_model).
+_NAMES = {"verl": lambda w, r: f"model_world_size_{w}_rank_{r}.pt",
+          "accelerate": lambda w, r: f"pytorch_model_fsdp_0_rank{r}.bin",
+          "local": lambda w, r: f"pytorch_model_fsdp_rank{r}.bin"}
 _MODEL_DIRS = ("actor", "policy")  # verl's actor (the policy; critic/ beside it), SkyRL's policy
 _LATEST = "latest_checkpointed_iteration.txt"
 _FSDP_CONFIG = "fsdp_config.json"
@@ -112,6 +116,12 @@ def detect(path: str, tag: Optional[str] = None) -> bool:
     return tag is None and _model_dir(path) is not None
 
 
+def needs_config(path: str, tag: Optional[str] = None) -> bool:
+    """For FSDP1 LOCAL_STATE_DICT files: only the config's model splits their flat parameters."""
+    model = _model_dir(path)
+    return model is not None and set(_rank_names(model)) == {"local"}
+
+
 def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
     model = _model_dir(path) or path
     parent = os.path.dirname(os.path.abspath(model))
@@ -134,13 +144,20 @@ def find_rank_files(model_dir: str) -> Tuple[str, int, List[str]]:
         layout = "accelerate" if "accelerate" in found else "local"
         entries = found[layout]
         world = max(r for r, _ in entries) + 1
-    by_rank = dict(entries)
+    by_rank: Dict[int, str] = {}
+    for rank, name in sorted(entries, key=lambda e: e[1]):
+        guards.claim_file(by_rank, rank, os.path.join(model_dir, name), where=model_dir,
+                          canonical=_NAMES[layout](world, rank))
+    by_rank = {r: os.path.basename(p) for r, p in by_rank.items()}
     if world < 1 or world > 1_000_000:
         raise CheckpointError(f"{model_dir}: world size {world} is not one a save writes")
+    beyond = sorted(r for r in by_rank if r >= world)
+    if beyond:  # verl's names record the world size: a rank past it is a file of another save
+        raise CheckpointError(f"{os.path.join(model_dir, by_rank[beyond[0]])}: rank {beyond[0]} of a save of {world} "
+                              "ranks; a file of another save was copied in or renamed: remove it")
     missing = [r for r in range(world) if r not in by_rank]
     if missing:
-        name = {"verl": f"model_world_size_{world}_rank_{missing[0]}.pt", "local": f"pytorch_model_fsdp_rank{missing[0]}.bin",
-                "accelerate": f"pytorch_model_fsdp_0_rank{missing[0]}.bin"}[layout]
+        name = _NAMES[layout](world, missing[0])
         raise CheckpointError(f"{os.path.join(model_dir, name)}: missing (the save has {world} ranks; "
                               f"{len(missing)} rank file(s) missing); copy every rank's file of the checkpoint")
     cfg_path = os.path.join(model_dir, _FSDP_CONFIG)
