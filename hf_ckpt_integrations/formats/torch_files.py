@@ -28,7 +28,7 @@ from typing import Any, Optional, Tuple
 
 from ..errors import CheckpointError, UnsafeCheckpointError, short_repr
 from .dtypes import MAX_NDIM, SIZES as DTYPE_SIZES, STORAGE_CLASSES, TORCH_NAMES
-from .unpickler import CONTAINERS, MAX_PICKLE_BYTES, Leaf, loads
+from .unpickler import CLIENT_STATE, CONTAINERS, MAX_PICKLE_BYTES, Leaf, loads
 
 __all__ = ["TensorRef", "StorageRef", "TORCH_GLOBALS", "TORCH_ALLOWED", "TORCH_TENSOR_ALLOWED", "load",
            "is_legacy", "check_crc", "FileWindow", "CRC_BLOCK"]
@@ -156,9 +156,11 @@ def _guarded_size(dims=()):
 # torch.Size and the torch dtypes (``torch.float32``...): every torch pickle spells them this way.
 TORCH_GLOBALS = {"Size": _guarded_size, **{v: _DtypeMarker(k) for k, v in TORCH_NAMES.items()}}
 
-# module -> name -> stand-in: plain containers, torch's tensor rebuilds, dtypes and storage types.
+# module -> name -> stand-in: plain containers, the client state saved beside the weights (inert
+# records: :data:`~.unpickler.CLIENT_STATE`), torch's tensor rebuilds, dtypes and storage types.
 TORCH_ALLOWED = {
     **CONTAINERS,
+    **CLIENT_STATE,
     "torch._utils": {"_rebuild_tensor_v2": _rebuild_tensor_v2, "_rebuild_tensor": _rebuild_tensor,
                      "_rebuild_parameter": _rebuild_parameter,
                      "_rebuild_parameter_with_state": _rebuild_parameter},

@@ -26,7 +26,8 @@ from typing import Any, Callable, Optional
 
 from ..errors import CheckpointError, UnsafeCheckpointError, short_repr
 
-__all__ = ["StandIn", "Leaf", "Opaque", "Record", "record_type", "CONTAINERS", "loads",
+__all__ = ["StandIn", "Leaf", "Opaque", "Record", "record_type", "CONTAINERS", "CLIENT_STATE", "NumpyArray",
+           "NumpyDtype", "NumpyScalar", "EnumMember", "loads",
            "load_pickle", "MAX_PICKLE_BYTES", "MAX_OPS", "MAX_NODES", "MAX_DEPTH"]
 
 # Budgets for one file's pickle (a DeepSpeed data.pkl of a 70B model is a few MB, its tree
@@ -137,6 +138,122 @@ def _guarded_ordered_dict(*args):
 CONTAINERS = {
     "collections": {"OrderedDict": _guarded_ordered_dict},
     "builtins": {"set": _guarded_set, "frozenset": _guarded_frozenset, "slice": slice},
+}
+
+
+# Client state: what training loops save beside the weights (DeepSpeed's ``client_state``, Megatron's
+# model_optim_rng.pt). GPT-NeoX's save_ds_checkpoint and Megatron-(DeepSpeed)'s save_checkpoint store
+# ``random.getstate()`` (plain tuples), ``np.random.get_state()`` (a numpy uint32 array), torch RNG
+# ByteTensors, ``args`` as an ``argparse.Namespace`` (holding torch dtypes, paths, Megatron enums) and
+# floats; nothing here reads any of it, so each is rebuilt as an inert record of what the pickle says
+# (no numpy import, no constructor called) and the weights beside it are read as usual.
+class NumpyDtype(StandIn):
+    """A numpy dtype as pickled: ``numpy.dtype(descr, align, copy)`` then its state (byte order, fields...)."""
+
+    def __init__(self, descr, align=False, copy=False):
+        if type(descr) is not str or len(descr) > 32 or type(align) is not bool or type(copy) is not bool:
+            raise CheckpointError(f"numpy.dtype{short_repr((descr, align, copy))} is not a dtype")
+        self.descr, self.state = descr, None
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def __repr__(self):
+        return f"numpy.dtype({self.descr!r})"
+
+
+class NumpyArray(StandIn):
+    """A numpy array as pickled (``_reconstruct(ndarray, (0,), b'b')`` then its state ``(version,
+    shape, dtype, fortran, raw bytes)``): the raw bytes are kept, never interpreted."""
+
+    def __init__(self):
+        self.shape, self.dtype, self.data = None, None, None
+
+    def __setstate__(self, state):
+        if not (type(state) is tuple and len(state) == 5 and isinstance(state[2], NumpyDtype)
+                and type(state[1]) is tuple and len(state[1]) <= 64
+                and all(type(d) is int and d >= 0 for d in state[1])):
+            raise CheckpointError(f"a numpy array with the state {short_repr(state)}; the file is corrupt or crafted")
+        _version, self.shape, self.dtype, _fortran, self.data = state
+
+    def __repr__(self):
+        return f"numpy.ndarray(shape={self.shape}, dtype={self.dtype!r})"
+
+
+class NumpyScalar(StandIn):
+    """A numpy scalar (``np.float32(1.5)``) as pickled: ``scalar(dtype, raw bytes)``."""
+
+    def __init__(self, dtype=None, data=None):
+        if not isinstance(dtype, NumpyDtype):
+            raise CheckpointError(f"a numpy scalar of {short_repr(dtype)}, not of a dtype; the file is corrupt")
+        self.dtype, self.data = dtype, data
+
+    def __repr__(self):
+        return f"numpy.{self.dtype.descr}({self.data!r})"
+
+
+class EnumMember(StandIn):
+    """A member of an allowlisted enum, as pickled (the class called with its value): the value only."""
+
+    kind = "Enum"
+
+    def __init__(self, value=None):
+        if type(value) not in _ATOMS:
+            raise CheckpointError(f"{self.kind}({short_repr(value)}): an enum member is a name or a number")
+        self.value = value
+
+    def __repr__(self):
+        return f"{self.kind}({self.value!r})"
+
+
+def _enum_type(name: str) -> type:
+    return type(name, (EnumMember,), {"kind": name})
+
+
+_NDARRAY = object()  # what ``numpy.ndarray`` stands for: only _reconstruct may take it
+
+
+def _np_reconstruct(cls, shape, typecode):
+    # numpy's own arguments are always (ndarray, (0,), b'b'); anything else (another class, a callable
+    # the pickle hands over) is not a plain array
+    if cls is not _NDARRAY or shape != (0,) or typecode != b"b":
+        raise UnsafeCheckpointError(f"refused for safety: numpy's _reconstruct called with "
+                                    f"{short_repr((cls, shape, typecode))}, not a plain array")
+    return NumpyArray()
+
+
+def _latin1(text, encoding):
+    # protocol 2 spells bytes as _codecs.encode(str, "latin1"); nothing else is needed
+    if type(text) is not str or encoding not in ("latin1", "latin-1"):
+        raise UnsafeCheckpointError(f"refused for safety: _codecs.encode{short_repr((text, encoding))}")
+    return text.encode("latin-1")
+
+
+def _path(*parts):
+    if len(parts) > 4096 or not all(type(x) is str for x in parts):
+        raise CheckpointError(f"a path of {short_repr(parts)}, not of names")
+    return "/".join(x.rstrip("/") for x in parts) if parts else "."
+
+
+_NUMPY_CORE = {"_reconstruct": _np_reconstruct, "scalar": NumpyScalar}
+_PATHS = {n: _path for n in ("Path", "PosixPath", "PurePath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
+
+# module -> name -> stand-in, for client state (see above). numpy 1 pickles ``numpy.core.multiarray``,
+# numpy 2 ``numpy._core.multiarray``; Python 3.13 pickles paths as ``pathlib._local``.
+CLIENT_STATE = {
+    "numpy": {"ndarray": _NDARRAY, "dtype": NumpyDtype},
+    "numpy.core.multiarray": _NUMPY_CORE,
+    "numpy._core.multiarray": _NUMPY_CORE,
+    "_codecs": {"encode": _latin1},
+    "argparse": {"Namespace": Opaque},
+    "types": {"SimpleNamespace": Opaque},
+    "pathlib": _PATHS,
+    "pathlib._local": _PATHS,
+    # Megatron's args: args.model_type (ModelType), args.attention_backend (AttnBackend)
+    "megatron.model.enums": {"ModelType": _enum_type("ModelType")},
+    "megatron.core.enums": {"ModelType": _enum_type("ModelType")},
+    "megatron.core.transformer.enums": {"AttnBackend": _enum_type("AttnBackend"),
+                                        "ModelType": _enum_type("ModelType")},
 }
 
 
