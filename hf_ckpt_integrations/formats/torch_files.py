@@ -28,7 +28,7 @@ from typing import Any, Optional, Tuple
 
 from ..errors import CheckpointError, UnsafeCheckpointError, short_repr
 from .dtypes import MAX_NDIM, SIZES as DTYPE_SIZES, STORAGE_CLASSES, TORCH_NAMES
-from .unpickler import CLIENT_STATE, CONTAINERS, MAX_PICKLE_BYTES, Leaf, loads
+from .unpickler import CLIENT_STATE, CONTAINERS, MAX_PICKLE_BYTES, Leaf, load_stream, loads
 
 __all__ = ["TensorRef", "StorageRef", "TORCH_GLOBALS", "TORCH_ALLOWED", "TORCH_TENSOR_ALLOWED", "load",
            "is_legacy", "check_crc", "FileWindow", "CRC_BLOCK"]
@@ -356,35 +356,70 @@ _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
 
 
-def _pickle_end(data: bytes, start: int, where: str) -> int:
-    """Where the pickle starting at ``data[start]`` ends (after its STOP), by parsing, never running it."""
-    import io
-    import pickletools
+class _PickleReader:
+    """The pickles at the start of a legacy file, read through the file's own small buffer: every
+    read is bounded (one object's bytes by :data:`_MAX_READ`, all the pickles' by
+    :data:`MAX_PICKLE_BYTES`), so memory stays a few MiB whatever the file's size and a crafted run
+    of opcodes is refused by the unpickler's budgets as it goes, never pre-scanned."""
 
-    stream = io.BytesIO(data)
-    stream.seek(start)
-    try:
-        for op, _, pos in pickletools.genops(stream):  # pos: absolute (the stream's tell)
-            if op.name == "STOP":
-                return pos + 1
-    except Exception as e:  # a malformed opcode stream raises a zoo of types
-        raise CheckpointError(f"{where}: corrupt pickle in a legacy torch.save file ({type(e).__name__}); copy it "
-                              "again from the training run") from None
-    raise CheckpointError(f"{where}: truncated (a pickle of the legacy torch.save format has no end); copy it "
-                          "again from the training run")
+    def __init__(self, fh, path: str):
+        self._fh, self._path, self._pos = fh, path, fh.tell()  # our own count: tell() may cost a syscall
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int) -> None:
+        self._pos = self._fh.seek(pos)
+
+    def _check(self, end: int) -> None:
+        if end > MAX_PICKLE_BYTES:
+            raise CheckpointError(f"{self._path}: the pickles of this legacy torch.save file run past "
+                                  f"{MAX_PICKLE_BYTES} bytes; no checkpoint's metadata is that large: the file is "
+                                  "corrupt or crafted")
+
+    def read(self, n: int) -> bytes:
+        if n > _MAX_READ:
+            raise CheckpointError(f"{self._path}: a pickled object of {n} bytes (over {_MAX_READ}) in a legacy "
+                                  "torch.save file; no checkpoint's metadata holds one: the file is corrupt or crafted")
+        self._check(self._pos + n)
+        data = self._fh.read(n)
+        self._pos += len(data)
+        return data
+
+    def readinto(self, buf) -> int:
+        data = self.read(len(buf))
+        buf[:len(data)] = data
+        return len(data)
+
+    def readline(self) -> bytes:
+        line = self._fh.readline(_MAX_LINE)
+        self._pos += len(line)
+        self._check(self._pos)
+        if line and not line.endswith(b"\n"):
+            raise CheckpointError(f"{self._path}: corrupt pickle in a legacy torch.save file (a line over "
+                                  f"{_MAX_LINE} bytes); copy it again from the training run")
+        return line
+
+    def load(self, allowed: dict, persistent_load=None) -> Any:
+        """The next pickle (from the file's position to its STOP), with :func:`~.unpickler.load_stream`."""
+        return load_stream(self, path=self._path, allowed=allowed, persistent_load=persistent_load)
+
+
+_MAX_READ = 16 * 2**20  # one string or bytes object of a legacy file's pickles
+_MAX_LINE = 2**16  # one text line (a protocol-0/1 opcode's argument: a global's module name...)
 
 
 def _load_legacy(path: str, file_size: int, allowed: dict) -> Any:
-    """:func:`load` of a legacy-format file: the same restricted unpickler and allowlist; storages
-    become byte ranges after their counts, each count checked against the pickle's record."""
+    """:func:`load` of a legacy-format file: the same restricted unpickler and allowlist, reading
+    the pickles one after another as a stream (:class:`_PickleReader`); storages become byte ranges
+    after their counts, each count checked against the pickle's record."""
     with open(path, "rb") as fh:
-        data = fh.read(MAX_PICKLE_BYTES + 1)
-    header = []
-    pos = 0
-    for _ in range(3):
-        end = _pickle_end(data, pos, path)
-        header.append(loads(data[pos:end], path=path, allowed={}))
-        pos = end
+        return _read_legacy(fh, path, file_size, allowed)
+
+
+def _read_legacy(fh, path: str, file_size: int, allowed: dict) -> Any:
+    pickles = _PickleReader(fh, path)
+    header = [pickles.load(allowed={}) for _ in range(3)]
     magic, version, info = header
     if magic != _LEGACY_MAGIC or version != _LEGACY_PROTOCOL or type(info) is not dict:
         raise CheckpointError(f"{path}: not a torch.save file (neither a zip archive nor the legacy format's "
@@ -392,11 +427,7 @@ def _load_legacy(path: str, file_size: int, allowed: dict) -> Any:
     if info.get("little_endian") is not True:
         raise CheckpointError(f"{path}: a legacy torch.save file written on a big-endian machine; load and re-save "
                               "it there with a current torch")
-    main_start, main_end = pos, _pickle_end(data, pos, path)
-    keys_end = _pickle_end(data, main_end, path)
-    keys = loads(data[main_end:keys_end], path=path, allowed={})
-    if type(keys) is not list or not all(type(k) is str for k in keys) or len(set(keys)) != len(keys):
-        raise CheckpointError(f"{path}: the legacy format's storage key list is malformed; the file is corrupt")
+    main_start = pickles.tell()
     recorded: dict = {}
 
     def record(pid):  # first pass: which storages the object names, of what dtype and size
@@ -412,33 +443,37 @@ def _load_legacy(path: str, file_size: int, allowed: dict) -> Any:
                                   "corrupt or crafted")
         return StorageRef(path, key, str(dtype), numel, 0)
 
-    loads(data[main_start:main_end], path=path, allowed=allowed, persistent_load=record)
+    pickles.load(allowed, persistent_load=record)
+    keys = pickles.load(allowed={})
+    keys_end = pickles.tell()
+    if type(keys) is not list or not all(type(k) is str for k in keys) or len(set(keys)) != len(keys):
+        raise CheckpointError(f"{path}: the legacy format's storage key list is malformed; the file is corrupt")
     if set(recorded) != set(keys):
         raise CheckpointError(f"{path}: the storage key list does not match the storages the object names; the file "
                               "is corrupt or crafted: copy it again from the training run")
     offsets = {}
     at = keys_end
-    with open(path, "rb") as fh:
-        for key in keys:
-            dtype, numel = recorded[key]
-            fh.seek(at)
-            count = fh.read(8)
-            if len(count) != 8:
-                raise CheckpointError(f"{path}: truncated (storage {key} is missing); copy it again from the training "
-                                      "run")
-            if int.from_bytes(count, "little") != numel:
-                raise CheckpointError(f"{path}: storage {key} holds {int.from_bytes(count, 'little')} elements, the "
-                                      f"pickle records {numel}; the file is corrupt: copy it again")
-            offsets[key] = at + 8
-            at += 8 + numel * DTYPE_SIZES[dtype]
-            if at > file_size:
-                raise CheckpointError(f"{path}: truncated (storage {key} runs past the end of the file); copy it again "
-                                      "from the training run")
+    for key in keys:
+        dtype, numel = recorded[key]
+        pickles.seek(at)
+        count = fh.read(8)
+        if len(count) != 8:
+            raise CheckpointError(f"{path}: truncated (storage {key} is missing); copy it again from the training "
+                                  "run")
+        if int.from_bytes(count, "little") != numel:
+            raise CheckpointError(f"{path}: storage {key} holds {int.from_bytes(count, 'little')} elements, the "
+                                  f"pickle records {numel}; the file is corrupt: copy it again")
+        offsets[key] = at + 8
+        at += 8 + numel * DTYPE_SIZES[dtype]
+        if at > file_size:
+            raise CheckpointError(f"{path}: truncated (storage {key} runs past the end of the file); copy it again "
+                                  "from the training run")
 
     def persistent_load(pid):
         return StorageRef(path, pid[2], recorded[pid[2]][0], recorded[pid[2]][1], offsets[pid[2]])
 
-    return loads(data[main_start:main_end], path=path, allowed=allowed, persistent_load=persistent_load)
+    pickles.seek(main_start)  # the object again, its storages now at their offsets
+    return pickles.load(allowed, persistent_load=persistent_load)
 
 
 def is_legacy(path) -> bool:

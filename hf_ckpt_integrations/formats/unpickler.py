@@ -28,7 +28,7 @@ from ..errors import CheckpointError, UnsafeCheckpointError, short_repr
 
 __all__ = ["StandIn", "Leaf", "Opaque", "Record", "record_type", "CONTAINERS", "CLIENT_STATE", "NumpyArray",
            "NumpyDtype", "NumpyScalar", "EnumMember", "loads",
-           "load_pickle", "MAX_PICKLE_BYTES", "MAX_OPS", "MAX_NODES", "MAX_DEPTH"]
+           "load_pickle", "load_stream", "MAX_PICKLE_BYTES", "MAX_OPS", "MAX_NODES", "MAX_DEPTH"]
 
 # Budgets for one file's pickle (a DeepSpeed data.pkl of a 70B model is a few MB, its tree
 # ~10^5 nodes, 8 levels deep): far above any real checkpoint, far below what hurts a machine.
@@ -36,6 +36,7 @@ MAX_PICKLE_BYTES = 512 * 2**20
 MAX_OPS = 20_000_000  # opcodes executed (each makes at most one object)
 MAX_NODES = 2_000_000  # tree nodes, a shared node counted each time it is reached
 MAX_DEPTH = 100
+_CHECK_EVERY = 65536  # opcodes between two checks of the objects the unpickler holds
 _MAX_KEY_LEN = 16  # a tuple used as a dict key or set element: this many atoms at most
 
 
@@ -263,18 +264,17 @@ class _Unpickler(pickle._Unpickler):
     time is in our own rebuild functions either way): 2.2 s instead of 1.1 s for a 3.8 MB pickle
     of 20,000 tensors, milliseconds for the engine files of the tests."""
 
-    def __init__(self, data: bytes, path: str, allowed: dict, persistent_load: Optional[Callable] = None):
-        super().__init__(io.BytesIO(data))
+    def __init__(self, file, path: str, allowed: dict, persistent_load: Optional[Callable] = None):
+        super().__init__(file)
         self._path = path
         self._allowed = allowed
         self._persistent_load = persistent_load  # None: a plain pickle, persistent ids refused
-        # Protocol < 3 (torch.save writes 2) spells builtins the Python 2 way (``__builtin__.set``).
-        # The standard unpickler's find_class maps those names, and we replace it, so map them here
-        # exactly as it does (a protocol-2 pickle starts with PROTO 2; none at all means 0/1).
-        self._py2_names = not (data[:1] == pickle.PROTO and len(data) > 1 and data[1] >= 3)
+        self._parked = 0  # objects on the stacks that MARKs set aside (self.metastack)
 
     def load(self):
-        # pickle._Unpickler.load with an opcode budget (CPython 3.8+ internals: _Unframer, _Stop).
+        # pickle._Unpickler.load with an opcode budget (CPython 3.8+ internals: _Unframer, _Stop),
+        # and, every _CHECK_EVERY opcodes, a budget on the objects it holds before any tree exists
+        # (each opcode makes at most one: the overshoot is bounded too).
         self._unframer = pickle._Unframer(self._file_read, self._file_readline)
         self.read = self._unframer.read
         self.readinto = self._unframer.readinto
@@ -283,17 +283,32 @@ class _Unpickler(pickle._Unpickler):
         self.stack = []
         self.append = self.stack.append
         self.proto = 0
-        read, dispatch = self.read, self._dispatch
+        read, dispatch, left = self.read, self._dispatch, MAX_OPS
         try:
-            for _ in range(MAX_OPS):
-                key = read(1)
-                if not key:
-                    raise EOFError
-                dispatch[key[0]](self)
+            while left > 0:
+                n = min(left, _CHECK_EVERY)
+                for _ in range(n):
+                    key = read(1)
+                    if not key:
+                        raise EOFError
+                    dispatch[key[0]](self)
+                left -= n
+                if len(self.stack) + self._parked + len(self.metastack) + len(self.memo) > 2 * MAX_NODES:
+                    raise CheckpointError(f"{self._path}: its pickle holds over {2 * MAX_NODES} objects at once; no "
+                                          "checkpoint's metadata is that large: the file is corrupt or crafted")
         except pickle._Stop as stop:
             return stop.value
         raise CheckpointError(f"{self._path}: its pickle runs past {MAX_OPS} operations; no checkpoint's "
                               "metadata is that large: the file is corrupt or crafted")
+
+    def _load_mark(self):
+        self._parked += len(self.stack)
+        pickle._Unpickler.load_mark(self)
+
+    def pop_mark(self):
+        items = pickle._Unpickler.pop_mark(self)
+        self._parked -= len(self.stack)
+        return items
 
     # Opcodes that hash (dict and set builders) see only shallow keys.
     def _load_setitem(self):
@@ -334,7 +349,10 @@ class _Unpickler(pickle._Unpickler):
 
     def find_class(self, module, name):
         asked = f"{module}.{name}"
-        if self._py2_names:  # the mapping of pickle._Unpickler.find_class (fix_imports=True)
+        # Protocol < 3 (torch.save writes 2) spells builtins the Python 2 way (``__builtin__.set``).
+        # The standard unpickler's find_class maps those names, and we replace it, so map them here
+        # exactly as it does (fix_imports=True; ``proto``: what the PROTO opcode said, 0 without one).
+        if self.proto < 3:
             if (module, name) in _compat_pickle.NAME_MAPPING:
                 module, name = _compat_pickle.NAME_MAPPING[(module, name)]
             elif module in _compat_pickle.IMPORT_MAPPING:
@@ -370,6 +388,7 @@ _Unpickler._dispatch = {
     pickle.DICT[0]: _Unpickler._load_dict,
     pickle.ADDITEMS[0]: _hashed_items(_D[pickle.ADDITEMS[0]]),
     pickle.FROZENSET[0]: _hashed_items(_D[pickle.FROZENSET[0]]),
+    pickle.MARK[0]: _Unpickler._load_mark,
     pickle.NEWOBJ[0]: _Unpickler._load_newobj,
     pickle.BUILD[0]: _Unpickler._load_build,
     pickle.NEWOBJ_EX[0]: _Unpickler._refuse,
@@ -406,9 +425,17 @@ def loads(data: bytes, *, path: str, allowed: dict, where: Optional[str] = None,
     Raises :class:`UnsafeCheckpointError` for a global not on the list, :class:`CheckpointError`
     for a malformed pickle or one over a budget, each naming ``where``.
     """
+    return load_stream(io.BytesIO(data), path=path, allowed=allowed, where=where, persistent_load=persistent_load)
+
+
+def load_stream(file, *, path: str, allowed: dict, where: Optional[str] = None,
+                persistent_load: Optional[Callable] = None) -> Any:
+    """:func:`loads` of the pickle that starts at ``file``'s position (``read(n)``/``readline()``;
+    it bounds its own reads). Reads up to its STOP opcode and no further: a file of several pickles
+    (torch.save's legacy format) is read one after another, without finding their ends first."""
     where = path if where is None else where
     try:
-        obj = _Unpickler(data, path, allowed, persistent_load).load()
+        obj = _Unpickler(file, path, allowed, persistent_load).load()
         _check_tree(obj, where)
         return obj
     except CheckpointError as e:
