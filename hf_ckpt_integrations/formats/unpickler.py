@@ -4,12 +4,14 @@
 each rebuilt into an inert value; any other global (``os.system``, ``builtins.eval``, an unknown
 class) raises :class:`~..errors.UnsafeCheckpointError` before anything is called. Nothing is
 allowed by default: each reader declares its list (:data:`CONTAINERS` for plain containers,
+:data:`CLIENT_STATE` for the RNG states and args training loops save beside the weights,
 :mod:`.torch_files` for torch's tensor rebuilds, each source for its engine's own classes, e.g.
 ``sources/deepspeed/allowlist.py``, ``sources/dcp.py``).
 
 A few hundred bytes of pickle can describe a tuple nested a million deep, or a DAG whose
 every level references the previous one twice (2^N nodes once walked, hashed or printed).
-So the unpickler is the pure-Python one, instrumented: it counts opcodes, hashes only
+So the unpickler is the pure-Python one, instrumented: it counts opcodes and the objects it holds
+before any tree exists (stack, marked stacks, memo), hashes only
 shallow keys, calls allowlisted callables only with arguments they cannot blow up on, and
 the loaded tree is walked once, iteratively, within :data:`MAX_DEPTH` and :data:`MAX_NODES`
 (counting shared nodes every time they are reached). Anything over a budget is a
