@@ -1,5 +1,5 @@
 """The legacy torch.save reader streams: bounded memory and a budget on every scan, whatever the
-file's size (hf_ckpt_integrations/formats/torch_files.py ``_PickleReader``).
+file's size (hf_ckpt_integrations/formats/torch_legacy.py).
 
 The pickles at the head of a legacy file are read one after another through the file's own small
 buffer by the budgeted unpickler; nothing pre-scans them and nothing holds the file in memory. A
@@ -20,12 +20,12 @@ import torch
 
 from helpers import REPO, export_refused
 from hf_ckpt_integrations.errors import CheckpointError
-from hf_ckpt_integrations.formats import torch_files, unpickler
+from hf_ckpt_integrations.formats import torch_files, torch_legacy, unpickler
 
 
 def _header() -> bytes:
     """The three pickles torch's ``_legacy_save`` writes first (magic, protocol, sys info)."""
-    return (pickle.dumps(torch_files._LEGACY_MAGIC, protocol=2) + pickle.dumps(1001, protocol=2)
+    return (pickle.dumps(torch_legacy.MAGIC, protocol=2) + pickle.dumps(1001, protocol=2)
             + pickle.dumps({"protocol_version": 1001, "little_endian": True,
                             "type_sizes": {"short": 2, "int": 4, "long": 4}}, protocol=2))
 
@@ -93,7 +93,7 @@ def test_opcodes_that_hold_nothing_run_into_the_opcode_budget(tmp_path, monkeypa
 
 
 def test_one_huge_object_is_refused_before_it_is_read(tmp_path):
-    big = torch_files._MAX_READ + 1
+    big = torch_legacy._MAX_READ + 1
     path = tmp_path / "w.bin"
     path.write_bytes(_header() + b"\x80\x02X" + big.to_bytes(4, "little"))
     with open(path, "r+b") as fh:
@@ -109,9 +109,9 @@ def test_the_pickles_bytes_budget(tmp_path, monkeypatch):
     end = 0
     for _ in range(5):  # header (3), object, key list
         end = next(pos for op, _, pos in pickletools.genops(raw[end:]) if op.name == "STOP") + end + 1
-    monkeypatch.setattr(torch_files, "MAX_PICKLE_BYTES", end)
+    monkeypatch.setattr(torch_legacy, "MAX_PICKLE_BYTES", end)
     assert torch_files.load(path)["w"].shape == (6,)
-    monkeypatch.setattr(torch_files, "MAX_PICKLE_BYTES", end - 1)
+    monkeypatch.setattr(torch_legacy, "MAX_PICKLE_BYTES", end - 1)
     with pytest.raises(CheckpointError, match=f"run past {end - 1} bytes"):
         torch_files.load(path)
 

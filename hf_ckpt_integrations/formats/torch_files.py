@@ -13,10 +13,11 @@ costs only its pickle. Every zip entry's local header is checked against the cen
 (a damaged one would shift the byte ranges), and :func:`check_crc` checks the CRC-32 of the
 storages a set of byte ranges reads.
 
-torch.save's legacy (non-zip) format is read by the same unpickler with the same allowlist: its
-storages follow the pickles, each after an 8-byte element count (:func:`is_legacy`).
+torch.save's legacy (non-zip) format is read by the same unpickler with the same allowlist
+(:mod:`.torch_legacy`): its storages follow the pickles, each after an 8-byte element count.
 """
 
+import functools
 import math
 import mmap
 import os
@@ -28,7 +29,9 @@ from typing import Any, Optional, Tuple
 
 from ..errors import CheckpointError, UnsafeCheckpointError, short_repr
 from .dtypes import MAX_NDIM, SIZES as DTYPE_SIZES, STORAGE_CLASSES, TORCH_NAMES
-from .unpickler import CLIENT_STATE, CONTAINERS, MAX_PICKLE_BYTES, Leaf, load_stream, loads
+from . import torch_legacy
+from .torch_legacy import is_legacy
+from .unpickler import CLIENT_STATE, CONTAINERS, MAX_PICKLE_BYTES, Leaf, loads
 
 __all__ = ["TensorRef", "StorageRef", "TORCH_GLOBALS", "TORCH_ALLOWED", "TORCH_TENSOR_ALLOWED", "load",
            "is_legacy", "check_crc", "FileWindow", "CRC_BLOCK"]
@@ -347,143 +350,19 @@ class FileWindow:
         return data
 
 
-# torch.save's legacy (non-zip) format, ``_use_new_zipfile_serialization=False`` (DeepSpeed's
-# ``checkpoint_serialization: false``): pickles of the magic number, the protocol version and the
-# sys info, then the object (storages as persistent ids ``("storage", type, key, location, numel,
-# view)``), then the sorted storage keys; then each storage in key order: an 8-byte little-endian
-# element count and its raw bytes (torch/serialization.py ``_legacy_save``).
-_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-_LEGACY_PROTOCOL = 1001
-
-
-class _PickleReader:
-    """The pickles at the start of a legacy file, read through the file's own small buffer: every
-    read is bounded (one object's bytes by :data:`_MAX_READ`, all the pickles' by
-    :data:`MAX_PICKLE_BYTES`), so memory stays a few MiB whatever the file's size and a crafted run
-    of opcodes is refused by the unpickler's budgets as it goes, never pre-scanned."""
-
-    def __init__(self, fh, path: str):
-        self._fh, self._path, self._pos = fh, path, fh.tell()  # our own count: tell() may cost a syscall
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int) -> None:
-        self._pos = self._fh.seek(pos)
-
-    def _check(self, end: int) -> None:
-        if end > MAX_PICKLE_BYTES:
-            raise CheckpointError(f"{self._path}: the pickles of this legacy torch.save file run past "
-                                  f"{MAX_PICKLE_BYTES} bytes; no checkpoint's metadata is that large: the file is "
-                                  "corrupt or crafted")
-
-    def read(self, n: int) -> bytes:
-        if n > _MAX_READ:
-            raise CheckpointError(f"{self._path}: a pickled object of {n} bytes (over {_MAX_READ}) in a legacy "
-                                  "torch.save file; no checkpoint's metadata holds one: the file is corrupt or crafted")
-        self._check(self._pos + n)
-        data = self._fh.read(n)
-        self._pos += len(data)
-        return data
-
-    def readinto(self, buf) -> int:
-        data = self.read(len(buf))
-        buf[:len(data)] = data
-        return len(data)
-
-    def readline(self) -> bytes:
-        line = self._fh.readline(_MAX_LINE)
-        self._pos += len(line)
-        self._check(self._pos)
-        if line and not line.endswith(b"\n"):
-            raise CheckpointError(f"{self._path}: corrupt pickle in a legacy torch.save file (a line over "
-                                  f"{_MAX_LINE} bytes); copy it again from the training run")
-        return line
-
-    def load(self, allowed: dict, persistent_load=None) -> Any:
-        """The next pickle (from the file's position to its STOP), with :func:`~.unpickler.load_stream`."""
-        return load_stream(self, path=self._path, allowed=allowed, persistent_load=persistent_load)
-
-
-_MAX_READ = 16 * 2**20  # one string or bytes object of a legacy file's pickles
-_MAX_LINE = 2**16  # one text line (a protocol-0/1 opcode's argument: a global's module name...)
+def _legacy_storage(path: str, dtype, key: str, numel: int, offset: int) -> StorageRef:
+    """A legacy file's storage reference (see :func:`.torch_legacy.read`), refused unless its
+    type is one of torch's storage types."""
+    if not isinstance(dtype, _DtypeMarker):
+        raise UnsafeCheckpointError(f"{path}: refused for safety: storage of unknown type {short_repr(dtype)}")
+    return StorageRef(path, key, str(dtype), numel, offset)
 
 
 def _load_legacy(path: str, file_size: int, allowed: dict) -> Any:
-    """:func:`load` of a legacy-format file: the same restricted unpickler and allowlist, reading
-    the pickles one after another as a stream (:class:`_PickleReader`); storages become byte ranges
-    after their counts, each count checked against the pickle's record."""
+    """:func:`load` of a legacy-format file: the same restricted unpickler and allowlist, its pickles
+    read as a stream (:mod:`.torch_legacy`)."""
     with open(path, "rb") as fh:
-        return _read_legacy(fh, path, file_size, allowed)
-
-
-def _read_legacy(fh, path: str, file_size: int, allowed: dict) -> Any:
-    pickles = _PickleReader(fh, path)
-    header = [pickles.load(allowed={}) for _ in range(3)]
-    magic, version, info = header
-    if magic != _LEGACY_MAGIC or version != _LEGACY_PROTOCOL or type(info) is not dict:
-        raise CheckpointError(f"{path}: not a torch.save file (neither a zip archive nor the legacy format's "
-                              "header); pass the checkpoint's own files")
-    if info.get("little_endian") is not True:
-        raise CheckpointError(f"{path}: a legacy torch.save file written on a big-endian machine; load and re-save "
-                              "it there with a current torch")
-    main_start = pickles.tell()
-    recorded: dict = {}
-
-    def record(pid):  # first pass: which storages the object names, of what dtype and size
-        if not (type(pid) is tuple and len(pid) == 6 and pid[0] == "storage"):
-            raise UnsafeCheckpointError(f"{path}: refused for safety: unexpected persistent id {short_repr(pid)}")
-        _, dtype, key, _location, numel, view = pid
-        if not isinstance(dtype, _DtypeMarker):
-            raise UnsafeCheckpointError(f"{path}: refused for safety: storage of unknown type {short_repr(dtype)}")
-        if type(key) is not str or type(numel) is not int or numel < 0 or view is not None:
-            raise CheckpointError(f"{path}: a storage reference ({short_repr(pid)}) is malformed; the file is corrupt")
-        if recorded.setdefault(key, (str(dtype), numel)) != (str(dtype), numel):
-            raise CheckpointError(f"{path}: storage {short_repr(key)} is recorded twice, differently; the file is "
-                                  "corrupt or crafted")
-        return StorageRef(path, key, str(dtype), numel, 0)
-
-    pickles.load(allowed, persistent_load=record)
-    keys = pickles.load(allowed={})
-    keys_end = pickles.tell()
-    if type(keys) is not list or not all(type(k) is str for k in keys) or len(set(keys)) != len(keys):
-        raise CheckpointError(f"{path}: the legacy format's storage key list is malformed; the file is corrupt")
-    if set(recorded) != set(keys):
-        raise CheckpointError(f"{path}: the storage key list does not match the storages the object names; the file "
-                              "is corrupt or crafted: copy it again from the training run")
-    offsets = {}
-    at = keys_end
-    for key in keys:
-        dtype, numel = recorded[key]
-        pickles.seek(at)
-        count = fh.read(8)
-        if len(count) != 8:
-            raise CheckpointError(f"{path}: truncated (storage {key} is missing); copy it again from the training "
-                                  "run")
-        if int.from_bytes(count, "little") != numel:
-            raise CheckpointError(f"{path}: storage {key} holds {int.from_bytes(count, 'little')} elements, the "
-                                  f"pickle records {numel}; the file is corrupt: copy it again")
-        offsets[key] = at + 8
-        at += 8 + numel * DTYPE_SIZES[dtype]
-        if at > file_size:
-            raise CheckpointError(f"{path}: truncated (storage {key} runs past the end of the file); copy it again "
-                                  "from the training run")
-
-    def persistent_load(pid):
-        return StorageRef(path, pid[2], recorded[pid[2]][0], recorded[pid[2]][1], offsets[pid[2]])
-
-    pickles.seek(main_start)  # the object again, its storages now at their offsets
-    return pickles.load(allowed, persistent_load=persistent_load)
-
-
-def is_legacy(path) -> bool:
-    """Whether ``path`` starts as torch.save's legacy format does (a protocol-2 pickle of its magic number)."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(14)
-    except OSError:
-        return False
-    return head[:4] == b"\x80\x02\x8a\x0a" and int.from_bytes(head[4:], "little") == _LEGACY_MAGIC
+        return torch_legacy.read(fh, path, file_size, allowed, functools.partial(_legacy_storage, path))
 
 
 def load(path, *, offset: int = 0, length: Optional[int] = None, allowed: Optional[dict] = None) -> Any:
