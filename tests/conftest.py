@@ -230,7 +230,7 @@ def _cache_key(script: str) -> str:
     paths = [ENGINES / script, ENGINES / "common.py"]
     if "import families" in (ENGINES / script).read_text():
         paths.append(ENGINES / "families.py")
-    for shared in ("fsdp_train", "ds_train", "ds_pipe_train"):  # a script that runs another's code is keyed by it too
+    for shared in ("fsdp_train", "ds_train", "ds_pipe_train", "ds_uc_resume"):  # a script that runs another's code is keyed by it too
         if f"import {shared}" in (ENGINES / script).read_text():
             paths.append(ENGINES / f"{shared}.py")
     if any(CASES[name][0] == script for name in ACCELERATE):

@@ -45,8 +45,12 @@ def test_deepspeed_types_are_refused_by_every_other_list(pkl, allowed, tmp_path)
 
 def test_readers_lists_hold_only_their_own_modules():
     assert set(unpickler.CONTAINERS) == {"collections", "builtins"}
-    assert {m for m in torch_files.TORCH_ALLOWED if m not in unpickler.CONTAINERS} == {
-        "torch", "torch._utils", "torch._tensor", "torch.nn.parameter", "torch.storage"}
+    # client state (tests/test_client_state.py): inert records any torch.save file may hold beside tensors
+    assert set(unpickler.CLIENT_STATE) == {
+        "numpy", "numpy.core.multiarray", "numpy._core.multiarray", "_codecs", "argparse", "types", "pathlib",
+        "pathlib._local", "megatron.model.enums", "megatron.core.enums", "megatron.core.transformer.enums"}
+    assert {m for m in torch_files.TORCH_ALLOWED if m not in unpickler.CONTAINERS and m not in unpickler.CLIENT_STATE} \
+        == {"torch", "torch._utils", "torch._tensor", "torch.nn.parameter", "torch.storage"}
     engine = {m for m in deepspeed_allowlist.ALLOWED if m not in torch_files.TORCH_ALLOWED}
-    assert engine == {"argparse", "deepspeed.runtime.fp16.loss_scaler", "deepspeed.runtime.zero.config",
+    assert engine == {"deepspeed.runtime.fp16.loss_scaler", "deepspeed.runtime.zero.config",
                       "deepspeed.utils.tensor_fragment"}

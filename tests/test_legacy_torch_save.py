@@ -14,7 +14,7 @@ import torch
 
 from helpers import assert_bitwise_equal, export_refused, hf_ckpt, load_safetensors
 from hf_ckpt_integrations.errors import CheckpointError, UnsafeCheckpointError
-from hf_ckpt_integrations.formats import torch_files
+from hf_ckpt_integrations.formats import torch_files, torch_legacy
 
 
 def _state():
@@ -58,7 +58,7 @@ def _exploit(path):
             return (os.system, ("true",))
     _legacy(path, {"w": torch.zeros(2)})
     raw = path.read_bytes()
-    head = pickle.dumps(torch_files._LEGACY_MAGIC, protocol=2) + pickle.dumps(1001, protocol=2)
+    head = pickle.dumps(torch_legacy.MAGIC, protocol=2) + pickle.dumps(1001, protocol=2)
     head += pickle.dumps({"protocol_version": 1001, "little_endian": True,
                           "type_sizes": {"short": 2, "int": 4, "long": 4}}, protocol=2)
     assert raw.startswith(head)

@@ -13,10 +13,11 @@ costs only its pickle. Every zip entry's local header is checked against the cen
 (a damaged one would shift the byte ranges), and :func:`check_crc` checks the CRC-32 of the
 storages a set of byte ranges reads.
 
-torch.save's legacy (non-zip) format is read by the same unpickler with the same allowlist: its
-storages follow the pickles, each after an 8-byte element count (:func:`is_legacy`).
+torch.save's legacy (non-zip) format is read by the same unpickler with the same allowlist
+(:mod:`.torch_legacy`): its storages follow the pickles, each after an 8-byte element count.
 """
 
+import functools
 import math
 import mmap
 import os
@@ -29,7 +30,9 @@ from typing import Any, Optional, Tuple
 from .. import guards
 from ..errors import CheckpointError, UnsafeCheckpointError, short_repr
 from .dtypes import MAX_NDIM, SIZES as DTYPE_SIZES, STORAGE_CLASSES, TORCH_NAMES
-from .unpickler import CONTAINERS, MAX_PICKLE_BYTES, Leaf, loads
+from . import torch_legacy
+from .torch_legacy import is_legacy
+from .unpickler import CLIENT_STATE, CONTAINERS, MAX_PICKLE_BYTES, Leaf, loads
 
 __all__ = ["TensorRef", "StorageRef", "TORCH_GLOBALS", "TORCH_ALLOWED", "TORCH_TENSOR_ALLOWED", "load",
            "is_legacy", "check_crc", "FileWindow", "CRC_BLOCK"]
@@ -157,9 +160,11 @@ def _guarded_size(dims=()):
 # torch.Size and the torch dtypes (``torch.float32``...): every torch pickle spells them this way.
 TORCH_GLOBALS = {"Size": _guarded_size, **{v: _DtypeMarker(k) for k, v in TORCH_NAMES.items()}}
 
-# module -> name -> stand-in: plain containers, torch's tensor rebuilds, dtypes and storage types.
+# module -> name -> stand-in: plain containers, the client state saved beside the weights (inert
+# records: :data:`~.unpickler.CLIENT_STATE`), torch's tensor rebuilds, dtypes and storage types.
 TORCH_ALLOWED = {
     **CONTAINERS,
+    **CLIENT_STATE,
     "torch._utils": {"_rebuild_tensor_v2": _rebuild_tensor_v2, "_rebuild_tensor": _rebuild_tensor,
                      "_rebuild_parameter": _rebuild_parameter,
                      "_rebuild_parameter_with_state": _rebuild_parameter},
@@ -346,108 +351,19 @@ class FileWindow:
         return data
 
 
-# torch.save's legacy (non-zip) format, ``_use_new_zipfile_serialization=False`` (DeepSpeed's
-# ``checkpoint_serialization: false``): pickles of the magic number, the protocol version and the
-# sys info, then the object (storages as persistent ids ``("storage", type, key, location, numel,
-# view)``), then the sorted storage keys; then each storage in key order: an 8-byte little-endian
-# element count and its raw bytes (torch/serialization.py ``_legacy_save``).
-_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-_LEGACY_PROTOCOL = 1001
-
-
-def _pickle_end(data: bytes, start: int, where: str) -> int:
-    """Where the pickle starting at ``data[start]`` ends (after its STOP), by parsing, never running it."""
-    import io
-    import pickletools
-
-    stream = io.BytesIO(data)
-    stream.seek(start)
-    try:
-        for op, _, pos in pickletools.genops(stream):  # pos: absolute (the stream's tell)
-            if op.name == "STOP":
-                return pos + 1
-    except Exception as e:  # a malformed opcode stream raises a zoo of types
-        raise CheckpointError(f"{where}: corrupt pickle in a legacy torch.save file ({type(e).__name__}); copy it "
-                              "again from the training run") from None
-    raise CheckpointError(f"{where}: truncated (a pickle of the legacy torch.save format has no end); copy it "
-                          "again from the training run")
+def _legacy_storage(path: str, dtype, key: str, numel: int, offset: int) -> StorageRef:
+    """A legacy file's storage reference (see :func:`.torch_legacy.read`), refused unless its
+    type is one of torch's storage types."""
+    if not isinstance(dtype, _DtypeMarker):
+        raise UnsafeCheckpointError(f"{path}: refused for safety: storage of unknown type {short_repr(dtype)}")
+    return StorageRef(path, key, str(dtype), numel, offset)
 
 
 def _load_legacy(path: str, file_size: int, allowed: dict) -> Any:
-    """:func:`load` of a legacy-format file: the same restricted unpickler and allowlist; storages
-    become byte ranges after their counts, each count checked against the pickle's record."""
+    """:func:`load` of a legacy-format file: the same restricted unpickler and allowlist, its pickles
+    read as a stream (:mod:`.torch_legacy`)."""
     with open(path, "rb") as fh:
-        data = fh.read(MAX_PICKLE_BYTES + 1)
-    header = []
-    pos = 0
-    for _ in range(3):
-        end = _pickle_end(data, pos, path)
-        header.append(loads(data[pos:end], path=path, allowed={}))
-        pos = end
-    magic, version, info = header
-    if magic != _LEGACY_MAGIC or version != _LEGACY_PROTOCOL or type(info) is not dict:
-        raise CheckpointError(f"{path}: not a torch.save file (neither a zip archive nor the legacy format's "
-                              "header); pass the checkpoint's own files")
-    if info.get("little_endian") is not True:
-        raise CheckpointError(f"{path}: a legacy torch.save file written on a big-endian machine; load and re-save "
-                              "it there with a current torch")
-    main_start, main_end = pos, _pickle_end(data, pos, path)
-    keys_end = _pickle_end(data, main_end, path)
-    keys = loads(data[main_end:keys_end], path=path, allowed={})
-    if type(keys) is not list or not all(type(k) is str for k in keys) or len(set(keys)) != len(keys):
-        raise CheckpointError(f"{path}: the legacy format's storage key list is malformed; the file is corrupt")
-    recorded: dict = {}
-
-    def record(pid):  # first pass: which storages the object names, of what dtype and size
-        if not (type(pid) is tuple and len(pid) == 6 and pid[0] == "storage"):
-            raise UnsafeCheckpointError(f"{path}: refused for safety: unexpected persistent id {short_repr(pid)}")
-        _, dtype, key, _location, numel, view = pid
-        if not isinstance(dtype, _DtypeMarker):
-            raise UnsafeCheckpointError(f"{path}: refused for safety: storage of unknown type {short_repr(dtype)}")
-        if type(key) is not str or type(numel) is not int or numel < 0 or view is not None:
-            raise CheckpointError(f"{path}: a storage reference ({short_repr(pid)}) is malformed; the file is corrupt")
-        if recorded.setdefault(key, (str(dtype), numel)) != (str(dtype), numel):
-            raise CheckpointError(f"{path}: storage {short_repr(key)} is recorded twice, differently; the file is "
-                                  "corrupt or crafted")
-        return StorageRef(path, key, str(dtype), numel, 0)
-
-    loads(data[main_start:main_end], path=path, allowed=allowed, persistent_load=record)
-    if set(recorded) != set(keys):
-        raise CheckpointError(f"{path}: the storage key list does not match the storages the object names; the file "
-                              "is corrupt or crafted: copy it again from the training run")
-    offsets = {}
-    at = keys_end
-    with open(path, "rb") as fh:
-        for key in keys:
-            dtype, numel = recorded[key]
-            fh.seek(at)
-            count = fh.read(8)
-            if len(count) != 8:
-                raise CheckpointError(f"{path}: truncated (storage {key} is missing); copy it again from the training "
-                                      "run")
-            if int.from_bytes(count, "little") != numel:
-                raise CheckpointError(f"{path}: storage {key} holds {int.from_bytes(count, 'little')} elements, the "
-                                      f"pickle records {numel}; the file is corrupt: copy it again")
-            offsets[key] = at + 8
-            at += 8 + numel * DTYPE_SIZES[dtype]
-            if at > file_size:
-                raise CheckpointError(f"{path}: truncated (storage {key} runs past the end of the file); copy it again "
-                                      "from the training run")
-
-    def persistent_load(pid):
-        return StorageRef(path, pid[2], recorded[pid[2]][0], recorded[pid[2]][1], offsets[pid[2]])
-
-    return loads(data[main_start:main_end], path=path, allowed=allowed, persistent_load=persistent_load)
-
-
-def is_legacy(path) -> bool:
-    """Whether ``path`` starts as torch.save's legacy format does (a protocol-2 pickle of its magic number)."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(14)
-    except OSError:
-        return False
-    return head[:4] == b"\x80\x02\x8a\x0a" and int.from_bytes(head[4:], "little") == _LEGACY_MAGIC
+        return torch_legacy.read(fh, path, file_size, allowed, functools.partial(_legacy_storage, path))
 
 
 def load(path, *, offset: int = 0, length: Optional[int] = None, allowed: Optional[dict] = None) -> Any:

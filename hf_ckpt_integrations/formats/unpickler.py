@@ -4,12 +4,14 @@
 each rebuilt into an inert value; any other global (``os.system``, ``builtins.eval``, an unknown
 class) raises :class:`~..errors.UnsafeCheckpointError` before anything is called. Nothing is
 allowed by default: each reader declares its list (:data:`CONTAINERS` for plain containers,
+:data:`CLIENT_STATE` for the RNG states and args training loops save beside the weights,
 :mod:`.torch_files` for torch's tensor rebuilds, each source for its engine's own classes, e.g.
 ``sources/deepspeed/allowlist.py``, ``sources/dcp.py``).
 
 A few hundred bytes of pickle can describe a tuple nested a million deep, or a DAG whose
 every level references the previous one twice (2^N nodes once walked, hashed or printed).
-So the unpickler is the pure-Python one, instrumented: it counts opcodes, hashes only
+So the unpickler is the pure-Python one, instrumented: it counts opcodes and the objects it holds
+before any tree exists (stack, marked stacks, memo), hashes only
 shallow keys, calls allowlisted callables only with arguments they cannot blow up on, and
 the loaded tree is walked once, iteratively, within :data:`MAX_DEPTH` and :data:`MAX_NODES`
 (counting shared nodes every time they are reached). Anything over a budget is a
@@ -26,8 +28,9 @@ from typing import Any, Callable, Optional
 
 from ..errors import CheckpointError, UnsafeCheckpointError, short_repr
 
-__all__ = ["StandIn", "Leaf", "Opaque", "Record", "record_type", "CONTAINERS", "loads",
-           "load_pickle", "MAX_PICKLE_BYTES", "MAX_OPS", "MAX_NODES", "MAX_DEPTH"]
+__all__ = ["StandIn", "Leaf", "Opaque", "Record", "record_type", "CONTAINERS", "CLIENT_STATE", "NumpyArray",
+           "NumpyDtype", "NumpyScalar", "EnumMember", "loads",
+           "load_pickle", "load_stream", "MAX_PICKLE_BYTES", "MAX_OPS", "MAX_NODES", "MAX_DEPTH"]
 
 # Budgets for one file's pickle (a DeepSpeed data.pkl of a 70B model is a few MB, its tree
 # ~10^5 nodes, 8 levels deep): far above any real checkpoint, far below what hurts a machine.
@@ -35,6 +38,7 @@ MAX_PICKLE_BYTES = 512 * 2**20
 MAX_OPS = 20_000_000  # opcodes executed (each makes at most one object)
 MAX_NODES = 2_000_000  # tree nodes, a shared node counted each time it is reached
 MAX_DEPTH = 100
+_CHECK_EVERY = 65536  # opcodes between two checks of the objects the unpickler holds
 _MAX_KEY_LEN = 16  # a tuple used as a dict key or set element: this many atoms at most
 
 
@@ -140,24 +144,139 @@ CONTAINERS = {
 }
 
 
+# Client state: what training loops save beside the weights (DeepSpeed's ``client_state``, Megatron's
+# model_optim_rng.pt). GPT-NeoX's save_ds_checkpoint and Megatron-(DeepSpeed)'s save_checkpoint store
+# ``random.getstate()`` (plain tuples), ``np.random.get_state()`` (a numpy uint32 array), torch RNG
+# ByteTensors, ``args`` as an ``argparse.Namespace`` (holding torch dtypes, paths, Megatron enums) and
+# floats; nothing here reads any of it, so each is rebuilt as an inert record of what the pickle says
+# (no numpy import, no constructor called) and the weights beside it are read as usual.
+class NumpyDtype(StandIn):
+    """A numpy dtype as pickled: ``numpy.dtype(descr, align, copy)`` then its state (byte order, fields...)."""
+
+    def __init__(self, descr, align=False, copy=False):
+        if type(descr) is not str or len(descr) > 32 or type(align) is not bool or type(copy) is not bool:
+            raise CheckpointError(f"numpy.dtype{short_repr((descr, align, copy))} is not a dtype")
+        self.descr, self.state = descr, None
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def __repr__(self):
+        return f"numpy.dtype({self.descr!r})"
+
+
+class NumpyArray(StandIn):
+    """A numpy array as pickled (``_reconstruct(ndarray, (0,), b'b')`` then its state ``(version,
+    shape, dtype, fortran, raw bytes)``): the raw bytes are kept, never interpreted."""
+
+    def __init__(self):
+        self.shape, self.dtype, self.data = None, None, None
+
+    def __setstate__(self, state):
+        if not (type(state) is tuple and len(state) == 5 and isinstance(state[2], NumpyDtype)
+                and type(state[1]) is tuple and len(state[1]) <= 64
+                and all(type(d) is int and d >= 0 for d in state[1])):
+            raise CheckpointError(f"a numpy array with the state {short_repr(state)}; the file is corrupt or crafted")
+        _version, self.shape, self.dtype, _fortran, self.data = state
+
+    def __repr__(self):
+        return f"numpy.ndarray(shape={self.shape}, dtype={self.dtype!r})"
+
+
+class NumpyScalar(StandIn):
+    """A numpy scalar (``np.float32(1.5)``) as pickled: ``scalar(dtype, raw bytes)``."""
+
+    def __init__(self, dtype=None, data=None):
+        if not isinstance(dtype, NumpyDtype):
+            raise CheckpointError(f"a numpy scalar of {short_repr(dtype)}, not of a dtype; the file is corrupt")
+        self.dtype, self.data = dtype, data
+
+    def __repr__(self):
+        return f"numpy.{self.dtype.descr}({self.data!r})"
+
+
+class EnumMember(StandIn):
+    """A member of an allowlisted enum, as pickled (the class called with its value): the value only."""
+
+    kind = "Enum"
+
+    def __init__(self, value=None):
+        if type(value) not in _ATOMS:
+            raise CheckpointError(f"{self.kind}({short_repr(value)}): an enum member is a name or a number")
+        self.value = value
+
+    def __repr__(self):
+        return f"{self.kind}({self.value!r})"
+
+
+def _enum_type(name: str) -> type:
+    return type(name, (EnumMember,), {"kind": name})
+
+
+_NDARRAY = object()  # what ``numpy.ndarray`` stands for: only _reconstruct may take it
+
+
+def _np_reconstruct(cls, shape, typecode):
+    # numpy's own arguments are always (ndarray, (0,), b'b'); anything else (another class, a callable
+    # the pickle hands over) is not a plain array
+    if cls is not _NDARRAY or shape != (0,) or typecode != b"b":
+        raise UnsafeCheckpointError(f"refused for safety: numpy's _reconstruct called with "
+                                    f"{short_repr((cls, shape, typecode))}, not a plain array")
+    return NumpyArray()
+
+
+def _latin1(text, encoding):
+    # protocol 2 spells bytes as _codecs.encode(str, "latin1"); nothing else is needed
+    if type(text) is not str or encoding not in ("latin1", "latin-1"):
+        raise UnsafeCheckpointError(f"refused for safety: _codecs.encode{short_repr((text, encoding))}")
+    return text.encode("latin-1")
+
+
+def _path(*parts):
+    if len(parts) > 4096 or not all(type(x) is str for x in parts):
+        raise CheckpointError(f"a path of {short_repr(parts)}, not of names")
+    return "/".join(x.rstrip("/") for x in parts) if parts else "."
+
+
+_NUMPY_CORE = {"_reconstruct": _np_reconstruct, "scalar": NumpyScalar}
+_PATHS = {n: _path for n in ("Path", "PosixPath", "PurePath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
+
+# module -> name -> stand-in, for client state (see above). numpy 1 pickles ``numpy.core.multiarray``,
+# numpy 2 ``numpy._core.multiarray``; Python 3.13 pickles paths as ``pathlib._local``.
+CLIENT_STATE = {
+    "numpy": {"ndarray": _NDARRAY, "dtype": NumpyDtype},
+    "numpy.core.multiarray": _NUMPY_CORE,
+    "numpy._core.multiarray": _NUMPY_CORE,
+    "_codecs": {"encode": _latin1},
+    "argparse": {"Namespace": Opaque},
+    "types": {"SimpleNamespace": Opaque},
+    "pathlib": _PATHS,
+    "pathlib._local": _PATHS,
+    # Megatron's args: args.model_type (ModelType), args.attention_backend (AttnBackend)
+    "megatron.model.enums": {"ModelType": _enum_type("ModelType")},
+    "megatron.core.enums": {"ModelType": _enum_type("ModelType")},
+    "megatron.core.transformer.enums": {"AttnBackend": _enum_type("AttnBackend"),
+                                        "ModelType": _enum_type("ModelType")},
+}
+
+
 class _Unpickler(pickle._Unpickler):
     """The pure-Python unpickler (the C one cannot be instrumented) with budgets at the opcodes
     that can blow up: see the module docstring. About 2x slower than the C one here (most of the
     time is in our own rebuild functions either way): 2.2 s instead of 1.1 s for a 3.8 MB pickle
     of 20,000 tensors, milliseconds for the engine files of the tests."""
 
-    def __init__(self, data: bytes, path: str, allowed: dict, persistent_load: Optional[Callable] = None):
-        super().__init__(io.BytesIO(data))
+    def __init__(self, file, path: str, allowed: dict, persistent_load: Optional[Callable] = None):
+        super().__init__(file)
         self._path = path
         self._allowed = allowed
         self._persistent_load = persistent_load  # None: a plain pickle, persistent ids refused
-        # Protocol < 3 (torch.save writes 2) spells builtins the Python 2 way (``__builtin__.set``).
-        # The standard unpickler's find_class maps those names, and we replace it, so map them here
-        # exactly as it does (a protocol-2 pickle starts with PROTO 2; none at all means 0/1).
-        self._py2_names = not (data[:1] == pickle.PROTO and len(data) > 1 and data[1] >= 3)
+        self._parked = 0  # objects on the stacks that MARKs set aside (self.metastack)
 
     def load(self):
-        # pickle._Unpickler.load with an opcode budget (CPython 3.8+ internals: _Unframer, _Stop).
+        # pickle._Unpickler.load with an opcode budget (CPython 3.8+ internals: _Unframer, _Stop),
+        # and, every _CHECK_EVERY opcodes, a budget on the objects it holds before any tree exists
+        # (each opcode makes at most one: the overshoot is bounded too).
         self._unframer = pickle._Unframer(self._file_read, self._file_readline)
         self.read = self._unframer.read
         self.readinto = self._unframer.readinto
@@ -166,17 +285,32 @@ class _Unpickler(pickle._Unpickler):
         self.stack = []
         self.append = self.stack.append
         self.proto = 0
-        read, dispatch = self.read, self._dispatch
+        read, dispatch, left = self.read, self._dispatch, MAX_OPS
         try:
-            for _ in range(MAX_OPS):
-                key = read(1)
-                if not key:
-                    raise EOFError
-                dispatch[key[0]](self)
+            while left > 0:
+                n = min(left, _CHECK_EVERY)
+                for _ in range(n):
+                    key = read(1)
+                    if not key:
+                        raise EOFError
+                    dispatch[key[0]](self)
+                left -= n
+                if len(self.stack) + self._parked + len(self.metastack) + len(self.memo) > 2 * MAX_NODES:
+                    raise CheckpointError(f"{self._path}: its pickle holds over {2 * MAX_NODES} objects at once; no "
+                                          "checkpoint's metadata is that large: the file is corrupt or crafted")
         except pickle._Stop as stop:
             return stop.value
         raise CheckpointError(f"{self._path}: its pickle runs past {MAX_OPS} operations; no checkpoint's "
                               "metadata is that large: the file is corrupt or crafted")
+
+    def _load_mark(self):
+        self._parked += len(self.stack)
+        pickle._Unpickler.load_mark(self)
+
+    def pop_mark(self):
+        items = pickle._Unpickler.pop_mark(self)
+        self._parked -= len(self.stack)
+        return items
 
     # Opcodes that hash (dict and set builders) see only shallow keys.
     def _load_setitem(self):
@@ -217,7 +351,10 @@ class _Unpickler(pickle._Unpickler):
 
     def find_class(self, module, name):
         asked = f"{module}.{name}"
-        if self._py2_names:  # the mapping of pickle._Unpickler.find_class (fix_imports=True)
+        # Protocol < 3 (torch.save writes 2) spells builtins the Python 2 way (``__builtin__.set``).
+        # The standard unpickler's find_class maps those names, and we replace it, so map them here
+        # exactly as it does (fix_imports=True; ``proto``: what the PROTO opcode said, 0 without one).
+        if self.proto < 3:
             if (module, name) in _compat_pickle.NAME_MAPPING:
                 module, name = _compat_pickle.NAME_MAPPING[(module, name)]
             elif module in _compat_pickle.IMPORT_MAPPING:
@@ -253,6 +390,7 @@ _Unpickler._dispatch = {
     pickle.DICT[0]: _Unpickler._load_dict,
     pickle.ADDITEMS[0]: _hashed_items(_D[pickle.ADDITEMS[0]]),
     pickle.FROZENSET[0]: _hashed_items(_D[pickle.FROZENSET[0]]),
+    pickle.MARK[0]: _Unpickler._load_mark,
     pickle.NEWOBJ[0]: _Unpickler._load_newobj,
     pickle.BUILD[0]: _Unpickler._load_build,
     pickle.NEWOBJ_EX[0]: _Unpickler._refuse,
@@ -289,9 +427,17 @@ def loads(data: bytes, *, path: str, allowed: dict, where: Optional[str] = None,
     Raises :class:`UnsafeCheckpointError` for a global not on the list, :class:`CheckpointError`
     for a malformed pickle or one over a budget, each naming ``where``.
     """
+    return load_stream(io.BytesIO(data), path=path, allowed=allowed, where=where, persistent_load=persistent_load)
+
+
+def load_stream(file, *, path: str, allowed: dict, where: Optional[str] = None,
+                persistent_load: Optional[Callable] = None) -> Any:
+    """:func:`loads` of the pickle that starts at ``file``'s position (``read(n)``/``readline()``;
+    it bounds its own reads). Reads up to its STOP opcode and no further: a file of several pickles
+    (torch.save's legacy format) is read one after another, without finding their ends first."""
     where = path if where is None else where
     try:
-        obj = _Unpickler(data, path, allowed, persistent_load).load()
+        obj = _Unpickler(file, path, allowed, persistent_load).load()
         _check_tree(obj, where)
         return obj
     except CheckpointError as e:

@@ -13,7 +13,6 @@ from DeepSpeed's ``safe_get_full_*``, concatenated over TP as ds_pipe_train.py s
 ``OUT/run.json`` the optimizer step and the losses of the next two steps on the batches the saving run
 trained after its save.
 """
-import argparse
 import sys
 from pathlib import Path
 
@@ -24,14 +23,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import ds_pipe_train as pipe  # noqa: E402
+import ds_uc_resume  # noqa: E402
 
-SAVED_AT, STEPS = 2, 2
+SAVED_AT, STEPS = ds_uc_resume.SAVED_AT, ds_uc_resume.STEPS
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("out", type=Path)
-    p.add_argument("--from", dest="src", type=Path, required=True)
+    p = ds_uc_resume.resume_parser()
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
     args = p.parse_args()
@@ -39,20 +37,13 @@ def main():
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from safetensors.torch import save_file
     from transformers import GPTNeoXConfig
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see ds_pipe_train.py
     deepspeed.init_distributed(dist_backend="gloo")
     assert dist.get_world_size() == args.pp * args.tp, "one data-parallel replica: the saving run had dp 1"
-    tag = f"global_step{SAVED_AT}"
-    if dist.get_rank() == 0:
-        from hf_ckpt_integrations import write_universal_checkpoint
-
-        report = write_universal_checkpoint(args.src / "ckpt", args.out / "uc" / tag, config=str(args.src / "config"))
-        common.write_json(args.out / "universal.json", report)
-    dist.barrier()
+    load_dir, tag = ds_uc_resume.write_universal(args, args.src / "ckpt", args.src / "config")
 
     topo = PipeModelDataParallelTopology(num_pp=args.pp, num_mp=args.tp, num_dp=1) if args.tp > 1 else \
         PipeDataParallelTopology(num_pp=args.pp, num_dp=1)
@@ -80,24 +71,11 @@ def main():
                  "zero_optimization": {"stage": 1}, "steps_per_print": 10**9,
                  "checkpoint": {"load_universal": True}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[q for q in model.parameters()], config=ds_config)
-    path, _ = engine.load_checkpoint(str(args.out / "uc"), tag=tag)
+    path, _ = engine.load_checkpoint(load_dir, tag=tag)
     assert path is not None, "nothing loaded"
 
     getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", lambda: None)()
-    names = pipe.hf_names(config)
-    loaded = {}
-    for name, param in engine.module.named_parameters():
-        idx, inner = name.split(".", 1)
-        dim = names[(int(idx), inner)][1]
-        for state in ("fp32", "exp_avg", "exp_avg_sq"):
-            full = safe_get_full_fp32_param(param) if state == "fp32" else safe_get_full_optimizer_state(param, state)
-            full = full.detach().float().contiguous()
-            if args.tp > 1 and dim in (0, 1):
-                parts = [torch.empty_like(full) for _ in range(args.tp)]
-                dist.all_gather(parts, full, group=pipe.Grid.group)
-                full = torch.cat(parts, dim=dim)
-            loaded[f"{state}/{name}"] = full.contiguous()
-    steps = sorted({float(v["step"]) for v in engine.optimizer.optimizer.state.values() if "step" in v})
+    loaded, steps = pipe.full_states(engine, pipe.hf_names(config))
 
     losses = []
     for step in range(SAVED_AT, SAVED_AT + STEPS):

@@ -14,7 +14,7 @@ residual the bias is added once after the all-reduce. The math of each layer is 
 ``GPTNeoXLayer``'s (its rotary embedding functions are used).
 
 ``torchrun --nproc_per_node 4 ds_pipe_train.py OUT --tp 2|1 --dtype fp32|bf16 --residual parallel|sequential``
-writes ``OUT/ckpt`` (the save), ``OUT/config`` (a GPTNeoX config.json), and ``OUT/reference/``:
+writes ``OUT/ckpt`` (the save, with the client state GPT-NeoX saves: :func:`neox_client_state`), ``OUT/config`` (a GPTNeoX config.json), and ``OUT/reference/``:
 ``master-stage{S}.safetensors`` (the fp32 masters, gathered here over TP along the dims this
 script split them on, under HF names; row-parallel biases summed in rank order with the parallel
 residual — the ground truth, independent of the exporter), ``module-stage{S}.safetensors`` (the
@@ -211,6 +211,52 @@ def hf_names(config):
     return out
 
 
+def neox_client_state(iteration, config, tp):
+    """The client state GPT-NeoX's ``save_ds_checkpoint`` (megatron/checkpointing.py) passes to every
+    ``save_checkpoint``: the iteration, a dict of args, and the RNG states (python's tuple, numpy's
+    ``get_state()`` with its uint32 array, torch's ByteTensor; on CPU torch's state stands in for the
+    CUDA one and for the model-parallel tracker's). The reader must take all of it as inert data."""
+    import random
+
+    import numpy as np
+
+    return {"iteration": iteration,
+            "args": {"num_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+                     "num_attention_heads": config.num_attention_heads,
+                     "max_position_embeddings": config.max_position_embeddings,
+                     "make_vocab_size_divisible_by": 2, "padded_vocab_size": config.vocab_size,
+                     "tokenizer_type": "HFTokenizer", "model_parallel_size": tp},
+            "random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.get_rng_state(),
+            "rng_tracker_states": {"model-parallel-rng": torch.get_rng_state()}}
+
+
+def full_states(engine, names):
+    """``({"fp32/NAME": …, "exp_avg/NAME": …, "exp_avg_sq/NAME": …}, steps)``: every parameter's
+    state under its module name as DeepSpeed's ``safe_get_full_*`` give it, concatenated over TP on
+    the dims this script split it on (whole tensors: rank 0's copy, checked equal on every TP
+    rank), and the optimizer steps. Collective over the TP group."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    states = {}
+    for name, param in engine.module.named_parameters():
+        idx, inner = name.split(".", 1)
+        dim = names[(int(idx), inner)][1]
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            full = safe_get_full_fp32_param(param) if state == "fp32" else safe_get_full_optimizer_state(param, state)
+            full = full.detach().float().contiguous()
+            if Grid.size > 1:
+                parts = [torch.empty_like(full) for _ in range(Grid.size)]
+                dist.all_gather(parts, full, group=Grid.group)
+                if dim in (0, 1):
+                    full = torch.cat(parts, dim=dim)
+                else:
+                    assert all(torch.equal(x, parts[0]) for x in parts), f"{state} of {name} differs over TP"
+            states[f"{state}/{name}"] = full.contiguous()
+    steps = sorted({float(v["step"]) for v in engine.optimizer.optimizer.state.values() if "step" in v})
+    return states, steps
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
@@ -225,7 +271,7 @@ def main():
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from deepspeed.utils import safe_get_full_fp32_param
     from safetensors.torch import save_file
 
     # gloo does every collective here; DeepSpeed's optional shared-memory comm op would be JIT-compiled
@@ -265,7 +311,8 @@ def main():
     for step in range(args.steps):
         ids = common.fixed_batch(step, rank=dp_rank, vocab_size=VOCAB)
         engine.train_batch(iter([(ids, ids)]))
-    engine.save_checkpoint(str(args.out / "ckpt"), tag=f"global_step{args.steps}")
+    engine.save_checkpoint(str(args.out / "ckpt"), tag=f"global_step{args.steps}",
+                           client_state=neox_client_state(args.steps, config, args.tp))
 
     # The pipeline's activation buffers keep the training batch's shape: probe with one of that shape.
     probe = common.fixed_batch(99, rank=0, vocab_size=VOCAB)
@@ -289,21 +336,7 @@ def main():
             store[hf] = local.contiguous()
     states, steps = {}, []
     if args.zero == 1 and args.dtype == "fp32":  # the states a universal checkpoint must carry, by module name
-        for name, param in engine.module.named_parameters():
-            idx, inner = name.split(".", 1)
-            dim = names[(int(idx), inner)][1]
-            for state in ("fp32", "exp_avg", "exp_avg_sq"):
-                full = safe_get_full_fp32_param(param) if state == "fp32" else safe_get_full_optimizer_state(param, state)
-                full = full.detach().float().contiguous()
-                if Grid.size > 1:
-                    parts = [torch.empty_like(full) for _ in range(Grid.size)]
-                    dist.all_gather(parts, full, group=Grid.group)
-                    if dim in (0, 1):
-                        full = torch.cat(parts, dim=dim)
-                    else:
-                        assert all(torch.equal(x, parts[0]) for x in parts), f"{state} of {name} differs over TP"
-                states[f"{state}/{name}"] = full.contiguous()
-        steps = sorted({float(v["step"]) for v in engine.optimizer.optimizer.state.values() if "step" in v})
+        states, steps = full_states(engine, names)
     losses = []
     for step in range(args.steps, args.steps + args.steps_after_save):  # what a resumed run must compute
         ids = common.fixed_batch(step, rank=dp_rank, vocab_size=VOCAB)

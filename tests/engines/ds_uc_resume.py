@@ -38,10 +38,29 @@ from ds_tp_train import SPLITS, TP_VOCAB, make_tp_llama  # noqa: E402
 SAVED_AT, STEPS = 2, 2
 
 
-def main():
+def resume_parser() -> argparse.ArgumentParser:
+    """The arguments of every resume script: ``OUT`` and ``--from CASE_DIR`` (ds_pipe_resume.py too)."""
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
     p.add_argument("--from", dest="src", type=Path, required=True)
+    return p
+
+
+def write_universal(args, ckpt: Path, config: Path, tp_rules=()):
+    """Rank 0 writes ``OUT/uc/global_step2`` from ``ckpt`` with ``write_universal_checkpoint`` (its
+    report in ``OUT/universal.json``); every rank waits for it. Returns ``(load_dir, tag)``."""
+    tag = f"global_step{SAVED_AT}"
+    if dist.get_rank() == 0:
+        from hf_ckpt_integrations import write_universal_checkpoint
+
+        report = write_universal_checkpoint(ckpt, args.out / "uc" / tag, config=str(config), tp_rules=list(tp_rules))
+        common.write_json(args.out / "universal.json", report)
+    dist.barrier()
+    return str(args.out / "uc"), tag
+
+
+def main():
+    p = resume_parser()
     p.add_argument("--layout", choices=["plain", "replica", "tp"], required=True)
     p.add_argument("--stage", type=int, required=True)
     p.add_argument("--load", choices=["own", "universal"], required=True)
@@ -63,15 +82,7 @@ def main():
     world, rank = dist.get_world_size(), dist.get_rank()
     ckpt, load_dir, tag = args.src / "ckpt", str(args.src / "ckpt"), None
     if args.load == "universal":
-        if rank == 0:
-            from hf_ckpt_integrations import write_universal_checkpoint
-
-            report = write_universal_checkpoint(ckpt, args.out / "uc" / f"global_step{SAVED_AT}",
-                                                config=str(args.config or args.src / "config"),
-                                                tp_rules=args.tp_rule)
-            common.write_json(args.out / "universal.json", report)
-        dist.barrier()
-        load_dir, tag = str(args.out / "uc"), f"global_step{SAVED_AT}"
+        load_dir, tag = write_universal(args, ckpt, args.config or args.src / "config", args.tp_rule)
 
     if args.config is not None:
         config = LlamaConfig.from_pretrained(str(args.config))

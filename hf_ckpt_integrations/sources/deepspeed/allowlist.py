@@ -2,8 +2,10 @@
 pickles are read with (on top of torch's, :data:`~...formats.torch_files.TORCH_ALLOWED`).
 
 A DeepSpeed optimizer file pickles its loss scaler (``LossScaler``/``DynamicLossScaler``), the ZeRO
-stage as ``ZeroStageEnum``, and, from 0.10, ``param_slice_mappings`` of ``fragment_address``;
-Megatron-DeepSpeed runs may save their ``argparse.Namespace``. Nothing else is accepted.
+stage as ``ZeroStageEnum``, and, from 0.10, ``param_slice_mappings`` of ``fragment_address``.
+The client state a training loop saves beside them (GPT-NeoX's RNG states, Megatron-DeepSpeed's
+``argparse.Namespace`` of args) is torch's list's: :data:`~...formats.unpickler.CLIENT_STATE`.
+Nothing else is accepted.
 """
 
 from ...errors import CheckpointError, UnsafeCheckpointError, short_repr
@@ -38,7 +40,6 @@ def _zero_stage(value):
 # module -> name -> stand-in: torch's list plus DeepSpeed's value types.
 ALLOWED = {
     **torch_files.TORCH_ALLOWED,
-    "argparse": {"Namespace": Opaque},
     "deepspeed.runtime.fp16.loss_scaler": {"LossScaler": Opaque, "DynamicLossScaler": Opaque},
     "deepspeed.runtime.zero.config": {"ZeroStageEnum": _zero_stage},
     "deepspeed.utils.tensor_fragment": {"fragment_address": FragmentAddress},
