@@ -362,7 +362,7 @@ def _legacy_storage(path: str, dtype, key: str, numel: int, offset: int) -> Stor
 def _load_legacy(path: str, file_size: int, allowed: dict) -> Any:
     """:func:`load` of a legacy-format file: the same restricted unpickler and allowlist, its pickles
     read as a stream (:mod:`.torch_legacy`)."""
-    with open(path, "rb") as fh:
+    with guards.open_regular(path, what="the checkpoint file") as fh:
         return torch_legacy.read(fh, path, file_size, allowed, functools.partial(_legacy_storage, path))
 
 

@@ -10,6 +10,7 @@ memory, whatever its size. :mod:`.torch_files` reads the zip format and calls :f
 from typing import Any, Callable
 
 from ..errors import CheckpointError, UnsafeCheckpointError, short_repr
+from ..guards import open_regular
 from .dtypes import SIZES as DTYPE_SIZES
 from .unpickler import MAX_PICKLE_BYTES, load_stream
 
@@ -144,20 +145,13 @@ def read(fh, path: str, file_size: int, allowed: dict, storage: Callable) -> Any
 
 
 def is_legacy(path) -> bool:
-    """Whether ``path`` starts as torch.save's legacy format does (a protocol-2 pickle of its magic number)."""
+    """Whether ``path`` starts as torch.save's legacy format does (a protocol-2 pickle of its magic number).
+    Opened as every source file is (:func:`~..guards.open_regular`): a FIFO is not legacy, never a hang."""
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path, what="the checkpoint file") as fh:
             head = fh.read(14)
-    except OSError:
+    except (OSError, CheckpointError):
         return False
     return head[:4] == b"\x80\x02\x8a\x0a" and int.from_bytes(head[4:], "little") == MAGIC
 
 
-def is_legacy(path) -> bool:
-    """Whether ``path`` starts as torch.save's legacy format does (a protocol-2 pickle of its magic number)."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(14)
-    except OSError:
-        return False
-    return head[:4] == b"\x80\x02\x8a\x0a" and int.from_bytes(head[4:], "little") == MAGIC
