@@ -8,10 +8,15 @@ attributes :mod:`hf_ckpt_integrations.sources.live` reads from a real engine, so
 (``live_tensors`` + ``write_distributed``, what ``accelerator.save_model`` runs) is exercised
 without training. Each rank writes ``result-<rank>.json`` (outcome, error text, device byte counts).
 
-Cases: ``gloo`` (CPU tensors, plain gloo: the reference bytes); ``device`` (partitions on this
-rank's fake device, ``set_device`` called as Accelerate/DeepSpeed do); ``offload`` (partitions in
-CPU memory: ``offload_param: {device: cpu}``); ``bare`` (like ``device``, but no ``set_device``);
-``oom`` (``device``, and rank 1 runs out of device memory at its first partition-sized allocation).
+Cases (:data:`CASES`): ``gloo`` (CPU tensors, no rules: the reference bytes); ``device`` (partitions
+on this rank's fake device, ``set_device`` called as Accelerate/DeepSpeed do); ``offload``
+(partitions in CPU memory: ``offload_param: {device: cpu}``); ``bare`` (like ``device``, without
+``set_device``); ``oom`` (rank 1 runs out of device memory at its first allocation while staging);
+``*-loose``: bare point-to-point allowed, to see the device rule alone. ``memory``: per-rank device
+bytes at world 8 on torch's fake process group (:func:`memory`).
+
+``python tests/support/nccl_cases.py CASE[,CASE...] RANK WORLD OUT_DIR`` (one process per rank), or
+``python tests/support/nccl_cases.py memory OUT_DIR``.
 """
 
 import json
@@ -55,45 +60,96 @@ def build(rank, world, where):
     return module
 
 
-def run(case, rank, world, out_dir, init_file):
-    os.environ["LOCAL_RANK"] = str(rank)
+# case -> (partitions where, rules on, unbatched allowed, set_device called, rank that runs out of memory)
+CASES = {
+    "gloo": ("cpu", False, False, True, None),
+    "device": ("device", True, False, True, None),
+    "device-loose": ("device", True, True, True, None),
+    "offload": ("cpu", True, False, True, None),
+    "offload-loose": ("cpu", True, True, True, None),
+    "bare": ("device", True, False, False, None),
+    "oom": ("device", True, False, True, 1),
+}
+
+
+def run_case(case, rank, world, out_dir):
+    from tests.support import nccl_rules
+
+    where, on, loose, set_device, oom = CASES[case]
+    nccl_rules.RULES.update(on=on, unbatched_ok=loose)
+    torch.hfdev.set_device(rank if set_device else 0)
     result = {"rank": rank, "case": case}
     try:
-        if case != "gloo":
-            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-            from tests.support import nccl_rules
-
-            nccl_rules.install(world)
-            if case != "bare":
-                torch.hfdev.set_device(rank)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
-        where = "cpu" if case in ("gloo", "offload") else f"hfdev:{rank}"
-        module = build(rank, world, where)
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'init-' + case)}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=60))
+        module = build(rank, world, "cpu" if where == "cpu" else f"hfdev:{rank}")
         from hf_ckpt_integrations.integrations._dist import write_distributed
         from hf_ckpt_integrations.sources.live import live_tensors, reads_are_collective
 
-        if case != "gloo":
-            nccl_rules.reset_stats()
-            if case == "oom" and rank == 1:
-                nccl_rules.fail_next_alloc(8)
+        nccl_rules.reset_stats()
+        if oom == rank:
+            nccl_rules.fail_next_alloc(8)
         plan = live_tensors(module)
         # One tensor a shard: the shards, and so the writers, are spread over the ranks.
-        report = write_distributed(plan, os.path.join(out_dir, "save"), max_shard_size=64,
+        report = write_distributed(plan, os.path.join(out_dir, case), max_shard_size=64,
                                    collective=reads_are_collective(module), what="save")
         result.update(outcome="ok", written_here=report["written_here"])
     except Exception as e:  # the test reads what each rank saw
         result.update(outcome="raised", error=f"{type(e).__name__}: {e}")
     finally:
-        if case != "gloo" and "nccl_rules" in sys.modules.get("tests.support", object()).__dict__:
-            from tests.support import nccl_rules
-
-            result.update(d2h=nccl_rules.STATS["d2h"], peak=nccl_rules.STATS["peak"])
-        with open(os.path.join(out_dir, f"result-{rank}.json"), "w") as f:
+        result.update(d2h=nccl_rules.STATS["d2h"], peak=nccl_rules.STATS["peak"])
+        with open(os.path.join(out_dir, f"result-{case}-{rank}.json"), "w") as f:
             json.dump(result, f)
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+def memory(out_dir, world=8, numel=8 * 1024):
+    """Per-rank device bytes of reading one ``numel``-element bf16 parameter written by rank 0, each
+    rank of ``world`` simulated in turn on torch's fake process group (no data moves)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tests.support import nccl_rules
+    from hf_ckpt_integrations.sources.live import live_tensors
+
+    SHAPES.clear()
+    SHAPES["big.weight"] = (numel // 64, 64)
+    out = {}
+    for rank in range(world):
+        os.environ["LOCAL_RANK"] = str(rank)
+        torch.hfdev.set_device(rank)
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            module = build(rank, world, f"hfdev:{rank}")
+            (t,) = [t for t in live_tensors(module).tensors if t.name == "big.weight"]
+            piece = t.parts[0][0]
+            nccl_rules.reset_stats()
+            base = nccl_rules.STATS["live"]
+            got = sum(len(c) for c in piece.read(piece.lo, piece.hi, 0, t.out_dtype))
+            out[rank] = {"extra_peak": nccl_rules.STATS["peak"] - base, "d2h": nccl_rules.STATS["d2h"], "bytes": got,
+                         "partition": module.big.weight.ds_tensor.numel() * 2}
+        except Exception as e:
+            out[rank] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        finally:
+            dist.destroy_process_group()
+    with open(os.path.join(out_dir, "memory.json"), "w") as f:
+        json.dump(out, f)
+
+
+def main(argv):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from tests.support import nccl_rules
+
+    mode, out_dir = argv[0], argv[-1]
+    if mode == "memory":
+        nccl_rules.install(8)
+        return memory(out_dir)
+    rank, world = int(argv[1]), int(argv[2])
+    os.environ["LOCAL_RANK"] = str(rank)
+    nccl_rules.install(world)
+    for case in mode.split(","):
+        run_case(case, rank, world, out_dir)
+
+
 if __name__ == "__main__":
-    run(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    main(sys.argv[1:])

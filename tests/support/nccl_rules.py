@@ -39,6 +39,9 @@ _LIVE: dict = {}  # storage data_ptr -> [wrappers alive, nbytes]
 _FAIL = {"nbytes": None}
 _GLOO_GROUPS: list = []
 _REAL: dict = {}
+# ``on``: the rules apply (off: every call goes straight to torch); ``unbatched_ok``: bare
+# point-to-point allowed (to look at the device rule alone).
+RULES = {"on": True, "unbatched_ok": False}
 
 
 class _Module:
@@ -196,7 +199,7 @@ def _local_index() -> int:
 
 
 def _is_nccl(group) -> bool:
-    return not any(group is g for g in _GLOO_GROUPS)
+    return RULES["on"] and not any(group is g for g in _GLOO_GROUPS)
 
 
 def _check(tensors, what, group):
@@ -220,6 +223,9 @@ def _tensor_call(name, tensor_args):
 
     def call(*args, **kwargs):
         group = kwargs.get("group")
+        if name in ("send", "recv", "isend", "irecv") and _is_nccl(group) and not RULES["unbatched_ok"]:
+            raise NcclRuleError(f"dist.{name}: unbatched point-to-point on NCCL (a 2-rank communicator per "
+                                "pair); use dist.batch_isend_irecv")
         tensors = [a for i, a in enumerate(args) if i in tensor_args]
         tensors += [kwargs[k] for k in ("tensor", "output_tensor", "input_tensor") if k in kwargs]
         flat = []
@@ -227,18 +233,6 @@ def _tensor_call(name, tensor_args):
             flat.extend(t if isinstance(t, (list, tuple)) else [t])
         _check(flat, f"dist.{name}", group)
         return real(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
-
-    return call
-
-
-def _unbatched(name):
-    real = _REAL[name]
-
-    def call(*args, **kwargs):
-        if _is_nccl(kwargs.get("group")):
-            raise NcclRuleError(f"dist.{name}: unbatched point-to-point on NCCL (a 2-rank communicator per "
-                                "pair); use dist.batch_isend_irecv")
-        return real(*args, **kwargs)
 
     return call
 
@@ -279,7 +273,7 @@ def _object_call(name):
 
 
 def _get_backend(group=None):
-    return "gloo" if not _is_nccl(group) else BACKEND
+    return BACKEND if _is_nccl(group) else _REAL["get_backend"](group)
 
 
 def _new_group(*args, **kwargs):
@@ -322,8 +316,8 @@ def install(world_size: int = 8) -> None:
         "all_gather": _tensor_call("all_gather", {0, 1}),
         "all_gather_into_tensor": _tensor_call("all_gather_into_tensor", {0, 1}),
         "reduce_scatter_tensor": _tensor_call("reduce_scatter_tensor", {0, 1}),
-        "send": _unbatched("send"), "recv": _unbatched("recv"), "isend": _unbatched("isend"),
-        "irecv": _unbatched("irecv"), "batch_isend_irecv": _batch,
+        "send": _tensor_call("send", {0}), "recv": _tensor_call("recv", {0}), "isend": _tensor_call("isend", {0}),
+        "irecv": _tensor_call("irecv", {0}), "batch_isend_irecv": _batch,
         "broadcast_object_list": _object_call("broadcast_object_list"),
         "all_gather_object": _object_call("all_gather_object"),
         "new_group": _new_group, "get_backend": _get_backend})
