@@ -19,7 +19,7 @@ from tests.support.procs import wait_or_stop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 3
-CASES = ["gloo", "device", "device-loose", "offload", "offload-loose", "bare", "oom"]
+CASES = ["gloo", "device", "device-loose", "device-counted", "offload", "offload-loose", "bare", "oom"]
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +97,11 @@ def test_non_writing_ranks_move_nothing_to_the_host(runs):
 
     out, results, _ = runs
     for r in range(WORLD):
-        res = results["device", r]
+        res = results["device-counted", r]  # nothing refused: only the host copies are looked at
         assert res["outcome"] == "ok", res.get("error", "")[:1500]
         mine = 0
         for name in res["written_here"]:
-            with safe_open(os.path.join(out, "device", name), "pt") as f:
+            with safe_open(os.path.join(out, "device-counted", name), "pt") as f:
                 mine += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
         assert res["d2h"] == mine, (r, res)
 
@@ -117,5 +117,21 @@ def test_device_memory_per_rank_at_world_8(runs):
         if rank == "0":
             assert m["bytes"] == m["d2h"] == 8 * m["partition"]
             assert m["extra_peak"] <= 2 * m["partition"] + 64, m
+        else:
+            assert m["bytes"] == m["d2h"] == 0 and m["extra_peak"] <= 64, (rank, m)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_tp_gather_holds_one_tensor_on_the_writer(runs, dim):
+    """The ColossalAI hook's gather of a tensor split over 8 TP ranks along ``dim``, to rank 0: the
+    writer holds the gathered tensor (plus one piece buffer when the split is not along dim 0), never
+    the pieces and their concatenation side by side (was 1.875x the tensor); the others nothing new."""
+    _, _, memory = runs
+    for rank in range(8):
+        m = memory[f"tp{dim}-{rank}"]
+        assert "error" not in m, m["error"][:1500]
+        if rank == 0:
+            assert m["bytes"] == m["d2h"] == m["full"]
+            assert m["extra_peak"] <= m["full"] + (m["piece"] if dim else 0) + 64, m
         else:
             assert m["bytes"] == m["d2h"] == 0 and m["extra_peak"] <= 64, (rank, m)

@@ -12,7 +12,8 @@ Cases (:data:`CASES`): ``gloo`` (CPU tensors, no rules: the reference bytes); ``
 on this rank's fake device, ``set_device`` called as Accelerate/DeepSpeed do); ``offload``
 (partitions in CPU memory: ``offload_param: {device: cpu}``); ``bare`` (like ``device``, without
 ``set_device``); ``oom`` (rank 1 runs out of device memory at its first allocation while staging);
-``*-loose``: bare point-to-point allowed, to see the device rule alone. ``memory``: per-rank device
+``*-loose``: bare point-to-point allowed, to see the device rule alone; ``device-counted``: nothing
+refused, bytes counted (what each rank copies to the host, even on code that breaks the rules). ``memory``: per-rank device
 bytes at world 8 on torch's fake process group (:func:`memory`).
 
 ``python tests/support/nccl_cases.py CASE[,CASE...] RANK WORLD OUT_DIR`` (one process per rank), or
@@ -60,23 +61,25 @@ def build(rank, world, where):
     return module
 
 
-# case -> (partitions where, rules on, unbatched allowed, set_device called, rank that runs out of memory)
+# case -> (partitions where, rules on, unbatched allowed, set_device called, rank that runs out of
+# memory, refusals on)
 CASES = {
-    "gloo": ("cpu", False, False, True, None),
-    "device": ("device", True, False, True, None),
-    "device-loose": ("device", True, True, True, None),
-    "offload": ("cpu", True, False, True, None),
-    "offload-loose": ("cpu", True, True, True, None),
-    "bare": ("device", True, False, False, None),
-    "oom": ("device", True, False, True, 1),
+    "gloo": ("cpu", False, False, True, None, True),
+    "device": ("device", True, False, True, None, True),
+    "device-loose": ("device", True, True, True, None, True),
+    "device-counted": ("device", True, True, True, None, False),
+    "offload": ("cpu", True, False, True, None, True),
+    "offload-loose": ("cpu", True, True, True, None, True),
+    "bare": ("device", True, False, False, None, True),
+    "oom": ("device", True, False, True, 1, True),
 }
 
 
 def run_case(case, rank, world, out_dir):
     from tests.support import nccl_rules
 
-    where, on, loose, set_device, oom = CASES[case]
-    nccl_rules.RULES.update(on=on, unbatched_ok=loose)
+    where, on, loose, set_device, oom, refuse = CASES[case]
+    nccl_rules.RULES.update(on=on, unbatched_ok=loose, refuse=refuse)
     torch.hfdev.set_device(rank if set_device else 0)
     result = {"rank": rank, "case": case}
     try:
@@ -118,6 +121,7 @@ def memory(out_dir, world=8, numel=8 * 1024):
     for rank in range(world):
         os.environ["LOCAL_RANK"] = str(rank)
         torch.hfdev.set_device(rank)
+        out[rank] = {}
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         try:
             module = build(rank, world, f"hfdev:{rank}")
@@ -132,8 +136,41 @@ def memory(out_dir, world=8, numel=8 * 1024):
             out[rank] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         finally:
             dist.destroy_process_group()
+    for dim in (0, 1):
+        for rank in range(world):
+            out[f"tp{dim}-{rank}"] = _tp_memory(rank, world, dim)
     with open(os.path.join(out_dir, "memory.json"), "w") as f:
         json.dump(out, f)
+
+
+def _tp_memory(rank, world, dim, rows=256, cols=128):
+    """Device bytes of gathering one bf16 ``(rows, cols)`` tensor split over ``world`` TP ranks
+    along ``dim`` to rank 0 (the ColossalAI hook's read, :func:`~hf_ckpt_integrations.sources.colossalai.live_plan`)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tests.support import nccl_rules
+    from hf_ckpt_integrations.sources.colossalai import TensorInfo, live_plan
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.hfdev.set_device(rank)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        local_shape = (rows // world, cols) if dim == 0 else (rows, cols // world)
+        module = torch.nn.Module()
+        module.register_buffer("w", torch.zeros(local_shape, dtype=torch.bfloat16).to(f"hfdev:{rank}"))
+        info = TensorInfo("w", "BF16", (rows, cols), holders={r: local_shape for r in range(world)},
+                          groups=[tuple(range(world))], shard_dim=dim)
+        (t,) = live_plan([info], module).tensors
+        piece = t.parts[0][0]
+        nccl_rules.reset_stats()
+        base = nccl_rules.STATS["live"]
+        got = sum(len(c) for c in piece.read(piece.lo, piece.hi, 0, t.out_dtype))
+        return {"extra_peak": nccl_rules.STATS["peak"] - base, "d2h": nccl_rules.STATS["d2h"], "bytes": got,
+                "full": rows * cols * 2, "piece": rows * cols * 2 // world}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+    finally:
+        dist.destroy_process_group()
 
 
 def main(argv):

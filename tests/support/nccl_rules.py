@@ -41,7 +41,9 @@ _GLOO_GROUPS: list = []
 _REAL: dict = {}
 # ``on``: the rules apply (off: every call goes straight to torch); ``unbatched_ok``: bare
 # point-to-point allowed (to look at the device rule alone).
-RULES = {"on": True, "unbatched_ok": False}
+# ``refuse``: off, nothing is refused (device tensors still travel, bytes are still counted: what a
+# rank copies to the host can be measured on code that breaks the rules).
+RULES = {"on": True, "unbatched_ok": False, "refuse": True}
 
 
 class _Module:
@@ -203,6 +205,8 @@ def _is_nccl(group) -> bool:
 
 
 def _check(tensors, what, group):
+    if not RULES["refuse"]:
+        return
     if not _is_nccl(group):
         for t in tensors:
             if isinstance(t, DeviceTensor):
@@ -223,7 +227,8 @@ def _tensor_call(name, tensor_args):
 
     def call(*args, **kwargs):
         group = kwargs.get("group")
-        if name in ("send", "recv", "isend", "irecv") and _is_nccl(group) and not RULES["unbatched_ok"]:
+        if name in ("send", "recv", "isend", "irecv") and _is_nccl(group) and RULES["refuse"] \
+                and not RULES["unbatched_ok"]:
             raise NcclRuleError(f"dist.{name}: unbatched point-to-point on NCCL (a 2-rank communicator per "
                                 "pair); use dist.batch_isend_irecv")
         tensors = [a for i, a in enumerate(args) if i in tensor_args]
@@ -263,7 +268,7 @@ def _object_call(name):
     real = _REAL[name]
 
     def call(*args, **kwargs):
-        if _is_nccl(kwargs.get("group")) and kwargs.get("device") is None and \
+        if _is_nccl(kwargs.get("group")) and RULES["refuse"] and kwargs.get("device") is None and \
                 torch.hfdev.current_device() != _local_index():
             raise NcclRuleError(f"dist.{name} on NCCL without set_device: rank {dist.get_rank()} "
                                 f"(LOCAL_RANK {_local_index()}) would use {DEVICE}:{torch.hfdev.current_device()}")
