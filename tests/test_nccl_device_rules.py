@@ -111,8 +111,9 @@ def test_device_memory_per_rank_at_world_8(runs):
     partition buffers (and the 4-byte agreement flag), every other rank nothing beyond its partition
     and the flag, and only the writer copies to the host."""
     _, _, memory = runs
-    assert len(memory) == 8, memory
-    for rank, m in memory.items():
+    zero3 = {k: m for k, m in memory.items() if k.isdigit()}
+    assert len(zero3) == 8, memory
+    for rank, m in zero3.items():
         assert "error" not in m, m["error"][:1500]
         if rank == "0":
             assert m["bytes"] == m["d2h"] == 8 * m["partition"]
