@@ -37,6 +37,13 @@ to what ``save_pretrained`` writes (:mod:`.hub_layout`): a tensor reached under 
 weights) is written once, under the name ``save_pretrained`` keeps; a tensor transformers 5 fuses
 in memory (MoE experts) is written as its Hub slices, each read as an element range of the
 parameter (under ZeRO-3 only the partitions overlapping the range travel).
+
+Devices (``docs/gpu.md``): every tensor a read puts into a collective is on the device the process
+group moves (:class:`~..comm.Traffic`: the current GPU for NCCL, the CPU for gloo) — an offloaded
+ZeRO-3 partition or a CPU-offloaded FSDP2 shard is copied there first, receive buffers are allocated
+there — and the ranks agree before each collective read, so an error while staging on one rank (out
+of GPU memory) is the same :class:`~..comm.WriteError` on every rank. Only the writing rank copies
+bytes to the host; the others take part in the collective and keep nothing.
 """
 
 import contextlib
