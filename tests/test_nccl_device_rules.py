@@ -9,17 +9,19 @@ fake process group. One launch for the whole module (about a minute on two cores
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
 
+from tests.support.nccl_cases import SHAPES
 from tests.support.procs import wait_or_stop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 3
-CASES = ["gloo", "device", "device-loose", "device-counted", "offload", "offload-loose", "bare", "oom"]
+CASES = ["gloo", "device", "device-loose", "device-counted", "offload", "offload-loose", "bare", "oom", "broadcast", "broadcast-offload"]
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +78,20 @@ def test_offloaded_partitions_are_staged_on_the_device(runs):
     """``offload_param: {device: cpu}``: partitions in CPU memory are copied to the device before they travel."""
     _saved_like_gloo(runs, "offload-loose")
     _saved_like_gloo(runs, "offload")
+
+
+@pytest.mark.parametrize("case", ["broadcast", "broadcast-offload"])
+def test_broadcast_reads_obey_the_rules(runs, case):
+    """The broadcast path (AutoTP, a writer outside the ZeRO group): partitions on the device or
+    offloaded, every rank's buffers on its device; the writer gets the bytes, the others copy nothing
+    to the host."""
+    _, results, _ = runs
+    for r in range(WORLD):
+        res = results[case, r]
+        assert res["outcome"] == "ok", res.get("error", res["outcome"])[:1500]
+    for r in range(WORLD):  # bf16: 2 bytes an element, only for the parameters this rank writes
+        mine = sum(2 * math.prod(shape) for i, shape in enumerate(SHAPES.values()) if i % WORLD == r)
+        assert results[case, r]["d2h"] == mine, (r, results[case, r])
 
 
 def test_a_script_without_set_device_keeps_objects_off_device_zero(runs):

@@ -12,6 +12,7 @@ Cases (:data:`CASES`): ``gloo`` (CPU tensors, no rules: the reference bytes); ``
 on this rank's fake device, ``set_device`` called as Accelerate/DeepSpeed do); ``offload``
 (partitions in CPU memory: ``offload_param: {device: cpu}``); ``bare`` (like ``device``, without
 ``set_device``); ``oom`` (rank 1 runs out of device memory at its first allocation while staging);
+``broadcast``/``broadcast-offload``: every parameter read through the broadcast path;
 ``*-loose``: bare point-to-point allowed, to see the device rule alone; ``device-counted``: nothing
 refused, bytes counted (what each rank copies to the host, even on code that breaks the rules). ``memory``: per-rank device
 bytes at world 8 on torch's fake process group (:func:`memory`).
@@ -72,7 +73,23 @@ CASES = {
     "offload-loose": ("cpu", True, True, True, None, True),
     "bare": ("device", True, False, False, None, True),
     "oom": ("device", True, False, True, 1, True),
+    "broadcast": ("device", True, False, True, None, True),
+    "broadcast-offload": ("cpu", True, False, True, None, True),
 }
+
+
+def broadcast_reads(module, rank, world):
+    """Each parameter read through the broadcast path (AutoTP's, or a writer outside the ZeRO group),
+    written by rank ``i % world``: whether the writer got the parameter's bytes, and what the others got."""
+    from hf_ckpt_integrations.sources.live import _partitions, _Reads
+
+    reads, fulls, ok = _Reads(), full_tensors(), []
+    for i, (name, p) in enumerate(module.named_parameters()):
+        writer = i % world
+        got = b"".join(bytes(c) for c in _partitions(p, None, 0, p.ds_numel, writer, reads.traffic))
+        want = fulls[name].reshape(-1).view(torch.uint8).numpy().tobytes() if rank == writer else b""
+        ok.append(got == want)
+    return all(ok)
 
 
 def run_case(case, rank, world, out_dir):
@@ -92,6 +109,9 @@ def run_case(case, rank, world, out_dir):
         nccl_rules.reset_stats()
         if oom == rank:
             nccl_rules.fail_next_alloc(8)
+        if case.startswith("broadcast"):
+            result.update(outcome="ok" if broadcast_reads(module, rank, world) else "wrong bytes")
+            return
         plan = live_tensors(module)
         # One tensor a shard: the shards, and so the writers, are spread over the ranks.
         report = write_distributed(plan, os.path.join(out_dir, case), max_shard_size=64,
