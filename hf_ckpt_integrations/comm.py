@@ -199,9 +199,8 @@ class Traffic:
         self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX)
         if int(flag.item()) == 0:
             return
-        text = None if error is None else failure_message(error)
-        try:
-            default_comm().all_ok(text, self.what)
+        try:  # every rank's message, on the CPU; with one process the error itself
+            default_comm().all_ok(error, self.what)
         except WriteError as e:
             self.failed = e
             raise
