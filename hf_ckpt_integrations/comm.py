@@ -18,7 +18,8 @@ that device and has the ranks agree (:meth:`Traffic.agree`, one small all-reduce
 collective read, so a failure while staging on one rank (an out-of-memory) is the same
 :class:`WriteError` on every rank instead of a rank that skips a collective its peers enter.
 Pickled objects never travel on an accelerator group: :class:`TorchComm` of the default group sends
-them over a gloo side group (created once), which also keeps rank 0's planning off NCCL's watchdog.
+them over a gloo side group (created once, with the world's timeout but at least 30 minutes), which
+also keeps rank 0's planning off NCCL's watchdog.
 
 Every rank of the group makes the same calls in the same order. With one process (the base
 :class:`Comm`, world 1) there are no collectives, and a failure raises the original error (a
@@ -226,7 +227,18 @@ def _object_group(dist, group):
     world = dist.group.WORLD
     side = _SIDE_GROUPS.get(id(world))
     if side is None or side[0] is not world:
-        side = _SIDE_GROUPS[id(world)] = (world, dist.new_group(backend="gloo"))
+        # The world's timeout, but never less than torch's gloo default (30 min): rank 0 may plan for
+        # a while (NCCL's 10-minute default would stop it).
+        from datetime import timedelta
+
+        from torch.distributed.distributed_c10d import _get_default_store, default_pg_timeout
+
+        try:
+            timeout = max(_get_default_store().timeout, default_pg_timeout)
+        except (AttributeError, RuntimeError, ValueError):
+            timeout = default_pg_timeout
+        side = _SIDE_GROUPS[id(world)] = (world, dist.new_group(backend="gloo", timeout=timedelta(
+            seconds=timeout.total_seconds())))
     return side[1]
 
 
