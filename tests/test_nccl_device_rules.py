@@ -35,7 +35,7 @@ def runs(tmp_path_factory):
     procs.append(subprocess.Popen([sys.executable, script, "memory", out], cwd=ROOT, env=env,
                                   stdout=subprocess.DEVNULL, stderr=open(os.path.join(out, "log-memory"), "w")))
     for p in procs:
-        wait_or_stop(p, 900)
+        wait_or_stop(p, 600)  # a hang (broken code) ends here, before any outer time limit
     results = {}
     for case in CASES:
         for r in range(WORLD):
