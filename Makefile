@@ -3,7 +3,7 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test test-fast test-main test-cai docs bench fuzz mutants clean
+.PHONY: help setup demo test test-fast test-main test-cai docs bench fuzz mutants clean gpu-check
 
 help:
 	@echo "make demo   - train a tiny Llama under DeepSpeed ZeRO-3, export, verify, reload"
@@ -17,6 +17,7 @@ help:
 	@echo "              synthetic 8..1,024-rank saves, and FSDP2/DCP export against dcp_to_torch_save,"
 	@echo "              accelerate merge-weights and consolidate_safetensors_files (not part of make test)"
 	@echo "make fuzz   - the hostile-input fuzz tests with many more cases than make test runs"
+	@echo "make gpu-check - every save-time path on real GPUs with NCCL (needs CUDA; not part of make test)"
 
 setup:
 	@scripts/setup-venv.sh .venv requirements/main.txt
@@ -57,3 +58,14 @@ mutants: setup
 
 clean:
 	rm -rf .venv .venv-cai .test-cache site
+
+# Every save-time path on real GPUs with NCCL (scripts/gpu_check.py): one process (world 1), then one
+# per GPU when there are two or more. Not part of `make test`; needs CUDA. Summary in gpu-check/.
+GPU_PYTHON ?= .venv/bin/python
+gpu-check:
+	@n=$$($(GPU_PYTHON) -c 'import torch; print(torch.cuda.device_count())'); \
+	if [ "$$n" -lt 1 ]; then echo "gpu-check: no CUDA device here" >&2; exit 2; fi; \
+	$(GPU_PYTHON) -m torch.distributed.run --standalone --nproc_per_node=1 scripts/gpu_check.py gpu-check || rc=1; \
+	if [ "$$n" -ge 2 ]; then \
+	  $(GPU_PYTHON) -m torch.distributed.run --standalone --nproc_per_node=$$n scripts/gpu_check.py gpu-check || rc=1; \
+	fi; exit $${rc:-0}

@@ -10,6 +10,17 @@ every rank, so no caller writes its own "rank 0 tries, then tell the others" blo
   raises the same :class:`WriteError` naming each failed rank (one collective);
 - :meth:`Comm.broadcast`, :meth:`Comm.all_gather`, :meth:`Comm.barrier` — the plain collectives.
 
+Device rules (``docs/gpu.md``): a tensor in a collective must be on the device its process group
+moves — the rank's current accelerator for NCCL (a CPU tensor raises there), the CPU for gloo.
+:func:`collective_device` decides it from the group's backend, in one place; :class:`Traffic` is the
+tensor side of every save-time read (ZeRO-3 partitions, DTensor gathers): it stages each tensor on
+that device and has the ranks agree (:meth:`Traffic.agree`, one small all-reduce) before each
+collective read, so a failure while staging on one rank (an out-of-memory) is the same
+:class:`WriteError` on every rank instead of a rank that skips a collective its peers enter.
+Pickled objects never travel on an accelerator group: :class:`TorchComm` of the default group sends
+them over a gloo side group (created once, with the world's timeout but at least 30 minutes), which
+also keeps rank 0's planning off NCCL's watchdog.
+
 Every rank of the group makes the same calls in the same order. With one process (the base
 :class:`Comm`, world 1) there are no collectives, and a failure raises the original error (a
 :class:`~.errors.CheckpointError` says precisely what is wrong; there is no other rank to tell).
@@ -19,11 +30,13 @@ Accelerate's state, which on a CPU-only DeepSpeed launch reports one process on 
 """
 
 import contextlib
-from typing import Callable, Dict, List, TypeVar, Union
+import os
+from typing import Callable, Dict, List, Optional, TypeVar, Union
 
 from .errors import CheckpointError, DestinationError
 
-__all__ = ["WriteError", "Comm", "TorchComm", "default_comm", "torchrun_comm", "failure_message"]
+__all__ = ["WriteError", "Comm", "TorchComm", "default_comm", "torchrun_comm", "failure_message",
+           "collective_device", "Traffic"]
 
 T = TypeVar("T")
 
@@ -100,28 +113,165 @@ class Comm:
         return result
 
 
+def _device_types(backend: str) -> List[str]:
+    """The device types a backend moves (``"cpu:gloo,cuda:nccl"`` names them itself)."""
+    import torch.distributed as dist
+
+    backend = str(backend).lower()
+    if ":" in backend:
+        return [pair.split(":")[0] for pair in backend.split(",")]
+    return list(dist.Backend.backend_capability.get(backend, ["cpu"]))
+
+
+def collective_device(group=None):
+    """The device a tensor must be on to take part in a collective of ``group`` (default: the
+    world): the CPU when the group's backend moves CPU tensors (gloo), else this rank's accelerator
+    device — the group's bound device (``init_process_group(device_id=...)``), else the current
+    device, except that a process that never called ``set_device`` (current device 0) under a
+    launcher that sets ``LOCAL_RANK`` gets device ``LOCAL_RANK`` (every rank on device 0 is what NCCL
+    refuses)."""
+    import torch
+    import torch.distributed as dist
+
+    kinds = _device_types(dist.get_backend(group))
+    if "cpu" in kinds:
+        return torch.device("cpu")
+    pg = group if group is not None else dist.group.WORLD
+    bound = getattr(pg, "bound_device_id", None)
+    if bound is not None:
+        return torch.device(bound)
+    kind = kinds[0]
+    module = getattr(torch, kind)
+    index = module.current_device()
+    local = os.environ.get("LOCAL_RANK", "")
+    if index == 0 and local.isdigit() and 0 < int(local) < module.device_count():
+        index = int(local)
+    return torch.device(kind, index)
+
+
+class Traffic:
+    """The tensor side of the save-time collectives of one write: every rank builds one (the same
+    calls in the same order) and passes its tensors through it.
+
+    - :attr:`device`: where tensors must be (:func:`collective_device` of the world, decided once);
+    - :meth:`stage`: a tensor on that device (a CPU-offloaded partition is copied there first, as
+      DeepSpeed and torch DCP do; one already there is returned as is);
+    - :meth:`agree`: before each collective read, every rank passes its own failure (or None);
+      one small all-reduce, and only when some rank failed a gather of the messages: every rank then
+      raises the same :class:`WriteError`, and every later read raises it again without a collective
+      (no rank enters a collective its peers skip);
+    - :meth:`exchange`: point-to-point operations, batched (``batch_isend_irecv``: on NCCL one
+      grouped call on the group's communicator, not a 2-rank communicator per pair).
+    """
+
+    def __init__(self, dist=None, what: str = "reading the live model"):
+        if dist is None:
+            import torch.distributed as dist
+        self.dist, self.what = dist, what
+        self.rank = dist.get_rank()
+        self.failed: Optional[WriteError] = None
+        self._device = None
+
+    @property
+    def device(self):
+        if self._device is None:
+            self._device = collective_device()
+        return self._device
+
+    def stage(self, t):
+        """``t`` on :attr:`device` (a copy when it is elsewhere)."""
+        if t.device == self.device:
+            return t
+        return t.to(self.device, non_blocking=False)
+
+    def empty(self, numel: int, dtype):
+        """A receive buffer on :attr:`device`."""
+        import torch
+
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def agree(self, error: Optional[BaseException]) -> None:
+        """Collective: raise the same :class:`WriteError` on every rank when any rank passed a failure."""
+        if self.failed is not None:
+            raise self.failed
+        import torch
+
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.device)
+        self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX)
+        if int(flag.item()) == 0:
+            return
+        try:  # every rank's message, on the CPU; with one process the error itself
+            default_comm().all_ok(error, self.what)
+        except WriteError as e:
+            self.failed = e
+            raise
+
+    def exchange(self, ops) -> None:
+        """Run point-to-point ``ops`` (``(dist.isend | dist.irecv, tensor, peer)``) as one batch and wait."""
+        if not ops:
+            return
+        works = self.dist.batch_isend_irecv([self.dist.P2POp(op, t, peer) for op, t, peer in ops])
+        for w in works:
+            w.wait()
+
+
+_SIDE_GROUPS: dict = {}
+
+
+def _object_group(dist, group):
+    """The group pickled objects travel on: ``group`` when it moves CPU tensors, else (the default
+    group on NCCL) a gloo group over the same ranks, created once — on every rank, at the same
+    call, since every rank makes the same calls."""
+    if group is not None or "cpu" in _device_types(dist.get_backend(group)):
+        return group
+    world = dist.group.WORLD
+    side = _SIDE_GROUPS.get(id(world))
+    if side is None or side[0] is not world:
+        # The world's timeout, but never less than torch's gloo default (30 min): rank 0 may plan for
+        # a while (NCCL's 10-minute default would stop it).
+        from datetime import timedelta
+
+        from torch.distributed.distributed_c10d import _get_default_store, default_pg_timeout
+
+        try:
+            timeout = max(_get_default_store().timeout, default_pg_timeout)
+        except (AttributeError, RuntimeError, ValueError):
+            timeout = default_pg_timeout
+        side = _SIDE_GROUPS[id(world)] = (world, dist.new_group(backend="gloo", timeout=timedelta(
+            seconds=timeout.total_seconds())))
+    return side[1]
+
+
 class TorchComm(Comm):
-    """``torch.distributed`` (``group``, default the world): a few small pickled objects travel."""
+    """``torch.distributed`` (``group``, default the world): a few small pickled objects travel, on
+    the CPU (a gloo side group when the default group is NCCL: see the module doc)."""
 
     def __init__(self, dist=None, group=None):
         if dist is None:
             import torch.distributed as dist
         self.dist, self.group = dist, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self._objects = None
+
+    @property
+    def objects(self):
+        if self._objects is None:
+            self._objects = _object_group(self.dist, self.group)
+        return self._objects
 
     def broadcast(self, obj):
         box = [obj]
         src = 0 if self.group is None else self.dist.get_global_rank(self.group, 0)
-        self.dist.broadcast_object_list(box, src=src, group=self.group)
+        self.dist.broadcast_object_list(box, src=src, group=self.objects)
         return box[0]
 
     def all_gather(self, obj) -> list:
         out: List = [None] * self.world
-        self.dist.all_gather_object(out, obj, group=self.group)
+        self.dist.all_gather_object(out, obj, group=self.objects)
         return out
 
     def barrier(self) -> None:
-        self.dist.barrier(group=self.group)
+        self.dist.barrier(group=self.objects)
 
 
 def default_comm() -> Comm:

@@ -91,3 +91,12 @@ def test_one_process_raises_the_original_error():
     with pytest.raises(WriteError) as e:
         Comm().all_ok("a message", "writing")
     assert e.value.failures == {0: "a message"}
+
+
+def test_the_device_a_backend_moves_is_read_from_the_backend():
+    """gloo (and any "cpu:..." pair) moves CPU tensors; NCCL only CUDA ones (collective_device's rule)."""
+    from hf_ckpt_integrations.comm import _device_types
+
+    assert "cpu" in _device_types("gloo")
+    assert _device_types("nccl") == ["cuda"]
+    assert _device_types("cpu:gloo,cuda:nccl") == ["cpu", "cuda"]

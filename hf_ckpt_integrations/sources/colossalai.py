@@ -138,14 +138,11 @@ def describe_model(module) -> List[TensorInfo]:
     Raises :class:`LayoutError` (on every rank that sees it) when ranks disagree about a tensor or a
     padding record does not match the gathered shape.
     """
-    import torch.distributed as dist
+    from ..comm import default_comm
 
     local = [_local_record(n, t) for n, t in local_tensors(module)]
-    if dist.is_available() and dist.is_initialized():
-        everyone: List[Optional[list]] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (dist.get_rank(), local))
-    else:
-        everyone = [(0, local)]
+    comm = default_comm()  # pickled objects on the CPU (a gloo side group under NCCL)
+    everyone: List[Optional[list]] = comm.all_gather((comm.rank, local))
     infos: Dict[str, TensorInfo] = {}
     for rank, records in everyone:  # rank order, then state_dict order: the same list everywhere
         for r in records:
@@ -187,32 +184,87 @@ def _finish(info: TensorInfo) -> None:
         info.shape = tuple(shape)
 
 
-def _to_bytes_tensor(t):
-    import torch
+# The writer casts and copies the gathered tensor to the host this many bytes at a time, so it holds
+# the gathered tensor and one block, not a cast and a contiguous copy of the whole tensor besides.
+_BLOCK_BYTES = 64 << 20
 
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
-
-def _gathered(info: TensorInfo, local, sources: Sequence[int], me: int, device):
-    """On the writer: the full tensor (TP pieces received in group order, concatenated), unpadded."""
+def _gather(info: TensorInfo, local, sources: Sequence[int], me: int, writer: int, traffic):
+    """One TP-sharded (or whole) tensor, point to point to ``writer``: the full tensor there
+    (``None`` elsewhere). Every tensor is on the collective device; the ranks agree before the
+    transfer, so an error while staging (out of memory) is the same error everywhere. On the writer,
+    pieces are received straight into the gathered tensor (a dim-0 split: views of it), else each
+    into one piece buffer and copied in: the writer holds the tensor and at most one piece."""
     import torch
     import torch.distributed as dist
 
     dtype = to_torch(info.dtype)
-    pieces = []
-    for src in sources:
-        if src == me:
-            pieces.append(local.detach())
+    error, full, staged, views = None, None, None, []
+    try:
+        if me in sources and me != writer:
+            staged = traffic.stage(local.detach()).contiguous()
+        if me == writer and list(sources) == [me]:
+            full = local.detach()  # whole here already: nothing to receive
+        elif me == writer:
+            shapes = [tuple(info.holders[r]) for r in sources]
+            dim = info.shard_dim or 0
+            whole = list(shapes[0])
+            whole[dim] = sum(s[dim] for s in shapes)
+            full = torch.empty(whole, dtype=dtype, device=traffic.device)
+            at = 0
+            for r, shape in zip(sources, shapes):
+                views.append((r, full.narrow(dim, at, shape[dim])))
+                at += shape[dim]
+    except Exception as e:  # every rank must hear of it before the transfer
+        error = e
+    traffic.agree(error)
+    if me != writer:
+        if staged is not None:
+            traffic.exchange([(dist.isend, staged.reshape(-1).view(torch.uint8), writer)])
+        return None
+    for r, view in views:
+        if r == me:
+            view.copy_(local.detach())
             continue
-        shape = info.holders[src]
-        buf = torch.empty(math.prod(shape) * dtype.itemsize, dtype=torch.uint8, device=device)
-        dist.recv(buf, src=src)  # bytes, so every dtype travels (bf16 included) on gloo and NCCL alike
-        pieces.append(buf.view(dtype).view(shape))
-    full = pieces[0] if info.shard_dim is None else torch.cat(pieces, dim=info.shard_dim)
+        direct = view.is_contiguous()
+        buf = view if direct else torch.empty(view.shape, dtype=dtype, device=traffic.device)
+        traffic.exchange([(dist.irecv, buf.reshape(-1).view(torch.uint8), r)])  # bytes: every dtype travels
+        if not direct:
+            view.copy_(buf)
+            del buf
     if info.padding is not None:  # only now, on the gathered tensor
         dim, origin, _ = info.padding
         full = full.narrow(dim, 0, origin)
     return full
+
+
+def _blocks(full, cast):
+    """``full``'s bytes (cast), in blocks of whole leading-dim rows of about ``_BLOCK_BYTES``."""
+    rows = full.shape[0] if full.dim() else 1
+    if full.dim() == 0 or rows <= 1:
+        yield own_bytes(full.reshape(-1), cast)
+        return
+    row_bytes = max(1, full[0].numel() * full.element_size())
+    step = max(1, _BLOCK_BYTES // row_bytes)
+    for a in range(0, rows, step):
+        yield own_bytes(full[a:a + step], cast)
+
+
+class _LocalTraffic:
+    """One process: no collective, tensors stay where they are."""
+
+    def __init__(self, local):
+        self.device = local.device if local is not None else "cpu"
+
+    def stage(self, t):
+        return t
+
+    def agree(self, error):
+        if error is not None:
+            raise error
+
+    def exchange(self, ops):
+        raise AssertionError("one process has no one to exchange with")
 
 
 def live_plan(infos: Sequence[TensorInfo], module, *, dtype: Optional[str] = None) -> ExportPlan:
@@ -228,20 +280,26 @@ def live_plan(infos: Sequence[TensorInfo], module, *, dtype: Optional[str] = Non
     import torch
     import torch.distributed as dist
 
-    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    from ..comm import Traffic
+
+    distributed = dist.is_available() and dist.is_initialized()
+    me = dist.get_rank() if distributed else 0
     mine = dict(local_tensors(module))
-    device = next((t.device for t in mine.values()), torch.device("cpu"))
+    shared = {}
     out = []
     for info in infos:
         local = mine.get(info.name)
 
         def read(lo, hi, writer, dtype, info=info, local=local):
-            sources = info.sources(writer)
-            if me == writer:
-                full = _gathered(info, local, sources, me, device)
-                yield own_bytes(full.reshape(-1)[lo:hi], to_torch(dtype) if info.dtype in FLOATS else None)
-            elif me in sources:
-                dist.send(_to_bytes_tensor(local), dst=writer)
+            if "traffic" not in shared:
+                shared["traffic"] = Traffic() if distributed else _LocalTraffic(local)
+            full = _gather(info, local, info.sources(writer), me, writer, shared["traffic"])
+            if full is not None:
+                cast = to_torch(dtype) if info.dtype in FLOATS else None
+                if (lo, hi) == (0, math.prod(info.shape)):
+                    yield from _blocks(full, cast)
+                else:
+                    yield own_bytes(full.reshape(-1)[lo:hi], cast)
 
         numel = math.prod(info.shape)
         out.append(TensorPlan(info.name, tuple(info.shape), info.dtype, [[LivePiece(read, 0, numel, info.dtype)]],

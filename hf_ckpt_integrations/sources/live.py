@@ -37,6 +37,13 @@ to what ``save_pretrained`` writes (:mod:`.hub_layout`): a tensor reached under 
 weights) is written once, under the name ``save_pretrained`` keeps; a tensor transformers 5 fuses
 in memory (MoE experts) is written as its Hub slices, each read as an element range of the
 parameter (under ZeRO-3 only the partitions overlapping the range travel).
+
+Devices (``docs/gpu.md``): every tensor a read puts into a collective is on the device the process
+group moves (:class:`~..comm.Traffic`: the current GPU for NCCL, the CPU for gloo) — an offloaded
+ZeRO-3 partition or a CPU-offloaded FSDP2 shard is copied there first, receive buffers are allocated
+there — and the ranks agree before each collective read, so an error while staging on one rank (out
+of GPU memory) is the same :class:`~..comm.WriteError` on every rank. Only the writing rank copies
+bytes to the host; the others take part in the collective and keep nothing.
 """
 
 import contextlib
@@ -52,7 +59,8 @@ __all__ = ["live_tensors", "reads_are_collective", "own_bytes"]
 
 
 def own_bytes(t, cast):
-    """``t``'s own bytes (a view of a larger storage yields only its elements), as a memoryview."""
+    """``t``'s own bytes (a view of a larger storage yields only its elements), as a memoryview: the
+    one host read of a live tensor, made only on the rank that writes it."""
     import torch
 
     t = t.detach()
@@ -64,6 +72,49 @@ def own_bytes(t, cast):
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _rank() -> int:
+    """This process's global rank (0 without ``torch.distributed``)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _writes(writer) -> bool:
+    """Whether this rank yields a read's bytes: the writing rank only (every rank without an assignment)."""
+    return writer is None or writer == _rank()
+
+
+class _Reads:
+    """What the reads of one plan share: the collective traffic (:class:`~..comm.Traffic`, made at
+    the first collective read: the plan may be built before a write that never reads), and the one
+    gathered tensor kept for the slices still to read from it (a fused MoE tensor is gathered once,
+    not once per expert: at most one full tensor held)."""
+
+    def __init__(self):
+        self._traffic = None
+        self.left = {}  # source name -> reads still to come
+        self.held = None  # (source name, gathered tensor)
+
+    @property
+    def traffic(self):
+        if self._traffic is None:
+            from ..comm import Traffic
+
+            self._traffic = Traffic()
+        return self._traffic
+
+    def gathered(self, src, gather):
+        """``gather()`` for source ``src``, once for all its reads (the holder drops it after the last)."""
+        if self.held is None or self.held[0] != src:
+            self.held = None  # free the previous one before gathering the next
+            self.held = (src, gather())
+        full = self.held[1]
+        self.left[src] = self.left.get(src, 1) - 1
+        if self.left[src] <= 0:
+            self.held = None
+        return full
 
 
 def reads_are_collective(module) -> bool:
@@ -81,14 +132,43 @@ def _cast(dtype: str):
     return to_torch(dtype) if dtype in FLOATS else None
 
 
-def _dtensor_reader(t):
+def _dtensor_reader(src, t, reads):
+    def gather():
+        # A CPU-offloaded shard (FSDP2 CPUOffloadPolicy) goes to the mesh's device first, as torch DCP
+        # does; an error there (out of memory) is agreed on before the all-gather.
+        traffic = reads.traffic
+        error, staged = None, t
+        try:
+            staged = _on_mesh_device(t)
+        except Exception as e:  # every rank must hear of it before the collective
+            error = e
+        traffic.agree(error)
+        return staged.full_tensor()  # collective on t's mesh: every rank walks the same tensors in order
+
     def read(lo, hi, writer, dtype):
-        cast = _cast(dtype)
-        full = t.full_tensor()  # collective on t's mesh: every rank walks the same tensors in order
-        yield own_bytes(_flat(full)[lo:hi], cast)
-        del full
+        full = reads.gathered(src, gather)
+        if _writes(writer):
+            yield own_bytes(_flat(full)[lo:hi], _cast(dtype))
 
     return read
+
+
+def _on_mesh_device(t):
+    """DTensor ``t`` with its local shard on its mesh's device (a copy when it is elsewhere)."""
+    local = t.to_local()
+    kind = t.device_mesh.device_type
+    if local.device.type == kind:
+        return t
+    from ..comm import collective_device
+
+    try:
+        device = collective_device(t.device_mesh.get_group())
+    except (RuntimeError, ValueError):  # a multi-dimensional mesh: its first dimension's group
+        device = collective_device(t.device_mesh.get_group(0))
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.to(device), t.device_mesh, t.placements, shape=t.shape, stride=t.stride(),
+                              run_check=False)
 
 
 def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> ExportPlan:
@@ -112,6 +192,7 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> ExportP
     if select is not None:
         state = {n: t for n, t in state.items() if select(n) is not None}
     owners = dict(module.named_modules())
+    reads = _Reads()
     seen = {}
     # Point-to-point sends of ZeRO-3 partitions to the writing rank, except under AutoTP (its
     # parameters' groups are not the writer's: broadcast there).
@@ -129,11 +210,11 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> ExportP
         seen[key] = name
         owner = owners.get(name.rpartition(".")[0])
         if getattr(t, "ds_is_replaced_module", False):
-            shape, read = _autotp_reader(name, t, owner)
+            shape, read = _autotp_reader(name, t, owner, reads)
         elif hasattr(t, "ds_id") and hasattr(t, "ds_shape"):
-            shape, read = tuple(t.ds_shape), _zero3_reader(t, p2p)
+            shape, read = tuple(t.ds_shape), _zero3_reader(t, p2p, reads)
         elif _is_dtensor(t):
-            shape, read = tuple(t.shape), _dtensor_reader(t)
+            shape, read = tuple(t.shape), _dtensor_reader(name, t, reads)
         else:
             shape, read = tuple(t.shape), _local_reader(t)
         sources[name] = (shape, from_torch(t.dtype), read)
@@ -144,6 +225,8 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> ExportP
         from .hub_layout import live_layout
 
         layout = live_layout(module, {n: s[0] for n, s in sources.items()}, aliases)
+    for _, src, _, _ in layout:  # how many output tensors read each source (its gather is kept that long)
+        reads.left[src] = reads.left.get(src, 0) + 1
     out: List[TensorPlan] = []
     for name, src, shape, offset in layout:
         _, stored, read = sources[src]
@@ -156,7 +239,8 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> ExportP
 
 def _local_reader(t):
     def read(lo, hi, writer, dtype):
-        yield own_bytes(_flat(t)[lo:hi], _cast(dtype))
+        if _writes(writer):  # other ranks move nothing to the host
+            yield own_bytes(_flat(t)[lo:hi], _cast(dtype))
     return read
 
 
@@ -164,26 +248,29 @@ def _flat(t):
     return t.detach().reshape(-1)
 
 
-def _zero3_reader(param, p2p):
+def _zero3_reader(param, p2p, reads):
     def read(lo, hi, writer, dtype):
         cast = _cast(dtype)
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         if param.ds_status == ZeroParamStatus.AVAILABLE:
             # Persistent (or already gathered): whole on every rank; no rank exchanges anything.
-            yield own_bytes(_flat(param.data)[lo:hi], cast)
+            if _writes(writer):
+                yield own_bytes(_flat(param.data)[lo:hi], cast)
             return
         if _streamable(param):
             if p2p and writer is not None and _in_group(param.ds_process_group, writer):
-                yield from _partitions_to(param, cast, lo, hi, writer)
+                yield from _partitions_to(param, cast, lo, hi, writer, reads.traffic)
             else:
-                yield from _partitions(param, cast, lo, hi)
+                yield from _partitions(param, cast, lo, hi, writer, reads.traffic)
             return
         import deepspeed
 
+        reads.traffic.agree(None)  # DeepSpeed's own gather below: no rank may have failed before it
         # modifier_rank=None: read-only gather; re-partitioned (memory freed) on exit.
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-            yield own_bytes(_flat(param.data)[lo:hi], cast)
+            if _writes(writer):
+                yield own_bytes(_flat(param.data)[lo:hi], cast)
 
     return read
 
@@ -199,47 +286,65 @@ def _streamable(param) -> bool:
             and part.numel() * torch.distributed.get_world_size(group=param.ds_process_group) >= param.ds_numel)
 
 
-def _partitions(param, cast, lo, hi):
+def _owners(param, lo, hi):
+    """``(n, owners)``: the partition size and the group ranks whose partitions overlap ``[lo, hi)``."""
+    import torch.distributed as dist
+
+    n = param.ds_tensor.numel()
+    hi = min(hi, param.ds_numel)
+    return n, [r for r in range(dist.get_world_size(group=param.ds_process_group)) if r * n < hi and (r + 1) * n > lo]
+
+
+def _partitions(param, cast, lo, hi, writer, traffic):
     """Elements ``[lo, hi)`` of ``param``'s flat bytes, one ZeRO-3 partition at a time, each
-    broadcast from the rank that owns it.
+    broadcast from the rank that owns it, yielded on rank ``writer`` (every rank when None).
 
     Rank ``r`` of ``param.ds_process_group`` holds flat elements ``[r*n, (r+1)*n)`` of the
     parameter (``n = ds_tensor.numel()``; the tail of the last partition is padding); only the
     partitions that overlap ``[lo, hi)`` travel (one expert of a fused MoE tensor: its own ranks).
-    Collective.
+    Every tensor is on the collective device (an offloaded partition is staged there, as DeepSpeed
+    does); two partition buffers per rank at most. Collective.
     """
     import torch
     import torch.distributed as dist
 
     group = param.ds_process_group
     me = dist.get_rank(group=group)
-    part = param.ds_tensor.detach()
-    n = part.numel()
+    n, owners = _owners(param, lo, hi)
     hi = min(hi, param.ds_numel)
-    owners = [r for r in range(dist.get_world_size(group=group)) if r * n < hi and (r + 1) * n > lo]
-    buffers = [None, None]
+    keep = _writes(writer)
+    error, buffers, mine = None, [], None
+    try:
+        if me in owners:
+            mine = traffic.stage(param.ds_tensor.detach())
+        # Partition owners[i] arrives while the one before is written (two buffers at most).
+        buffers = [traffic.empty(n, param.ds_tensor.dtype) for _ in range(min(2, len(owners)))]
+    except Exception as e:  # every rank must hear of it before the broadcasts
+        error = e
+    traffic.agree(error)
 
     def start(i):
-        # Partition owners[i] arrives while the one before is written (two buffers at most). As
-        # bytes: any dtype travels (gloo has no bf16 broadcast on every build).
+        # As bytes: any dtype travels (gloo has no bf16 broadcast on every build).
         r = owners[i]
-        if r == me:
-            t = part
-        else:
-            if buffers[i % 2] is None:
-                buffers[i % 2] = torch.empty_like(part)
-            t = buffers[i % 2]
+        t = mine if r == me else buffers[i % 2]
         work = dist.broadcast(t.view(torch.uint8), src=dist.get_global_rank(group, r), group=group, async_op=True)
         return t, work
 
     nxt = start(0) if owners else None
+    failure = None
     for i, r in enumerate(owners):
         t, work = nxt
-        nxt = start(i + 1) if i + 1 < len(owners) else None
         work.wait()
+        # The buffer of partition i+1 is the one of i-1, written already: receive into it now.
+        nxt = start(i + 1) if i + 1 < len(owners) else None
         a, b = max(lo, r * n) - r * n, min(hi, (r + 1) * n) - r * n
-        if b > a:
-            yield own_bytes(t[a:b], cast)
+        if keep and failure is None and b > a:
+            try:
+                yield own_bytes(t[a:b], cast)
+            except Exception as e:  # finish the broadcasts the other ranks are in, then raise
+                failure = e
+    if failure is not None:
+        raise failure
 
 
 def _in_group(group, rank) -> bool:
@@ -251,13 +356,15 @@ def _in_group(group, rank) -> bool:
         return False
 
 
-def _partitions_to(param, cast, lo, hi, writer):
+def _partitions_to(param, cast, lo, hi, writer, traffic):
     """Elements ``[lo, hi)`` of ``param``'s flat bytes on rank ``writer`` (a global rank), each
     overlapping ZeRO-3 partition sent point to point by its owner: only the writing rank receives
     (the traffic of a broadcast divided by the world size). On every other rank this yields
     nothing; an owner sends its slice and returns. Every rank must call it, in the same tensor
-    order (pairs are matched by order). The writer holds two slice-sized buffers at most: the
-    next partition is received while the current one is written.
+    order (pairs are matched by order). Tensors are on the collective device (an offloaded
+    partition is staged there first; the receive buffers are allocated there); the ranks agree
+    before any send. The writer holds two slice-sized buffers at most: the next partition is
+    received while the current one is written.
     """
     import torch
     import torch.distributed as dist
@@ -265,41 +372,52 @@ def _partitions_to(param, cast, lo, hi, writer):
     group = param.ds_process_group
     me = dist.get_rank(group=group)
     w = dist.get_group_rank(group, writer)
-    part = param.ds_tensor.detach()
-    n = part.numel()
+    n, owners = _owners(param, lo, hi)
     hi = min(hi, param.ds_numel)
-    owners = [r for r in range(dist.get_world_size(group=group)) if r * n < hi and (r + 1) * n > lo]
 
     def span(r):
         return max(lo, r * n) - r * n, min(hi, (r + 1) * n) - r * n
 
-    if me != w:
+    error, mine, buffers = None, None, []
+    try:
         if me in owners:
             a, b = span(me)
+            mine = traffic.stage(param.ds_tensor.detach()[a:b])
+        if me == w:
+            size = max((span(r)[1] - span(r)[0] for r in owners if r != me), default=0)
+            buffers = [traffic.empty(size, param.ds_tensor.dtype) for _ in range(min(2, len(owners)))]
+    except Exception as e:  # every rank must hear of it before the sends
+        error = e
+    traffic.agree(error)
+    if me != w:
+        if mine is not None:
             # As bytes: any dtype travels (gloo has no bf16 send on every build).
-            dist.send(part[a:b].contiguous().view(torch.uint8), dst=writer, group=None)
+            traffic.exchange([(dist.isend, mine.contiguous().view(torch.uint8), writer)])
         return
-    buffers = [None, None]
 
     def start(i):
         r = owners[i]
-        a, b = span(r)
         if r == me:
-            return part[a:b], None
-        buf = buffers[i % 2]
-        if buf is None or buf.numel() < b - a:
-            buf = buffers[i % 2] = torch.empty(b - a, dtype=part.dtype)
-        buf = buf[:b - a]
-        return buf, dist.irecv(buf.view(torch.uint8), src=dist.get_global_rank(group, r))
+            return mine, None
+        a, b = span(r)
+        buf = buffers[i % 2][:b - a]
+        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf.view(torch.uint8), dist.get_global_rank(group, r))])
+        return buf, works
 
     nxt = start(0) if owners else None
+    failure = None
     for i in range(len(owners)):
-        t, work = nxt
-        if work is not None:
+        t, works = nxt
+        for work in works or ():
             work.wait()
         nxt = start(i + 1) if i + 1 < len(owners) else None
-        if t.numel():
-            yield own_bytes(t, cast)
+        if failure is None and t.numel():
+            try:
+                yield own_bytes(t, cast)
+            except Exception as e:  # receive what the owners are sending, then raise
+                failure = e
+    if failure is not None:
+        raise failure
 
 
 def _autotp_full_shape(name, param, owner):
@@ -311,7 +429,7 @@ def _autotp_full_shape(name, param, owner):
                      "parameter; save it with engine.save_checkpoint and export offline (hf-ckpt export)")
 
 
-def _autotp_reader(name, param, owner):
+def _autotp_reader(name, param, owner, reads):
     full_shape = _autotp_full_shape(name, param, owner)
     zero3 = hasattr(param, "ds_id")
 
@@ -331,8 +449,14 @@ def _autotp_reader(name, param, owner):
                 for p, data in zip(own, saved):
                     p.data = data
 
-    def read(lo, hi, writer, dtype):
+    def gather():
+        reads.traffic.agree(None)  # the layer's own all-gather below: no rank may have failed before it
         with gathered() as full:
+            return full
+
+    def read(lo, hi, writer, dtype):
+        full = reads.gathered(name, gather)  # a fused MoE tensor: gathered once for all its slices
+        if _writes(writer):
             yield own_bytes(_flat(full)[lo:hi], _cast(dtype))
 
     return full_shape, read

@@ -1,0 +1,332 @@
+"""NCCL's device rules on a CPU machine (test support only).
+
+:func:`install` gives this process a fake accelerator and makes the default process group behave,
+for the code under test, like an NCCL group:
+
+- **a fake device**: torch's PrivateUse1 backend renamed ``hfdev`` (``torch.hfdev`` with
+  ``current_device``/``set_device``/``device_count``), whose tensors (:class:`DeviceTensor`, a wrapper
+  subclass) hold their data in CPU memory. ``torch.empty(..., device="hfdev:1")``, ``t.to("hfdev:1")``
+  and every op on such tensors work; the bytes they hold are counted per process (:data:`STATS`:
+  ``live``/``peak`` device bytes, ``d2h`` bytes copied to the host, ``h2d`` copied in);
+- **backend ``fakenccl``** (``dist.get_backend`` of every group not created with ``backend="gloo"``):
+  its device is ``hfdev`` (``Backend.backend_capability``). The tensor collectives and point-to-point
+  calls of ``torch.distributed`` refuse, as NCCL does, a tensor that is not on this rank's device
+  (``hfdev:LOCAL_RANK``): a CPU tensor (pinned or not), or another device's; then they run on the
+  underlying gloo group with the CPU data;
+- **point-to-point only batched** (``dist.batch_isend_irecv``): a bare ``send``/``recv``/``isend``/
+  ``irecv`` on NCCL opens a 2-rank communicator per pair, so it is refused here;
+- **object collectives** (``broadcast_object_list``, ``all_gather_object``) on a ``fakenccl`` group
+  travel on the current device: refused when this rank never set its device (``torch.hfdev`` still
+  at 0 on a rank whose ``LOCAL_RANK`` is not 0: every rank on device 0);
+- ``.numpy()`` of a device tensor raises (as CUDA's does); host copies are counted, so a test can
+  say which ranks read device memory to the host.
+
+:func:`fail_next_alloc` makes the next device allocation of at least ``nbytes`` raise
+``torch.OutOfMemoryError`` (a rank running out of GPU memory while staging its part).
+"""
+
+import os
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+DEVICE = "hfdev"
+BACKEND = "fakenccl"
+STATS = {"live": 0, "peak": 0, "d2h": 0, "h2d": 0, "allocs": 0}
+_LIVE: dict = {}  # storage data_ptr -> [wrappers alive, nbytes]
+_FAIL = {"nbytes": None}
+_GLOO_GROUPS: list = []
+_REAL: dict = {}
+# ``on``: the rules apply (off: every call goes straight to torch); ``unbatched_ok``: bare
+# point-to-point allowed (to look at the device rule alone).
+# ``refuse``: off, nothing is refused (device tensors still travel, bytes are still counted: what a
+# rank copies to the host can be measured on code that breaks the rules).
+RULES = {"on": True, "unbatched_ok": False, "refuse": True}
+
+
+class _Module:
+    """``torch.hfdev``."""
+
+    current = 0
+    count = 8
+
+    @classmethod
+    def current_device(cls):
+        return cls.current
+
+    @classmethod
+    def set_device(cls, index):
+        cls.current = torch.device(index).index if not isinstance(index, int) else index
+
+    @classmethod
+    def device_count(cls):
+        return cls.count
+
+    @staticmethod
+    def is_available():
+        return True
+
+    @staticmethod
+    def is_initialized():
+        return True
+
+    @staticmethod
+    def _is_in_bad_fork():
+        return False
+
+    @staticmethod
+    def manual_seed_all(seed):
+        pass
+
+    @staticmethod
+    def synchronize(device=None):
+        pass
+
+
+def _release(key):
+    entry = _LIVE.get(key)
+    if entry is None:
+        return
+    entry[0] -= 1
+    if entry[0] == 0:
+        STATS["live"] -= entry[1]
+        del _LIVE[key]
+
+
+class DeviceTensor(torch.Tensor):
+    """A tensor on ``hfdev:i`` whose data is the CPU tensor ``elem``."""
+
+    @staticmethod
+    def __new__(cls, elem, index=0):
+        r = torch.Tensor._make_wrapper_subclass(cls, elem.shape, strides=elem.stride(),
+                                                storage_offset=elem.storage_offset(), dtype=elem.dtype,
+                                                device=torch.device(DEVICE, index), requires_grad=False)
+        r.elem = elem
+        key = elem.untyped_storage().data_ptr()
+        entry = _LIVE.get(key)
+        if entry is None:
+            nbytes = elem.untyped_storage().nbytes()
+            entry = _LIVE[key] = [0, nbytes]
+            STATS["live"] += nbytes
+            STATS["peak"] = max(STATS["peak"], STATS["live"])
+        entry[0] += 1
+        weakref.finalize(r, _release, key)
+        return r
+
+    def __repr__(self):
+        return f"DeviceTensor({self.elem!r}, device={self.device})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        index = next((a.device.index for a in _flat(args) if isinstance(a, DeviceTensor)), 0)
+        dev = kwargs.get("device")
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], DeviceTensor) and (
+                dev is not None and torch.device(dev).type == "cpu"):
+            STATS["d2h"] += args[0].elem.numel() * args[0].elem.element_size()
+            return func(args[0].elem, **kwargs)
+        if func is torch.ops.aten.copy_.default and not isinstance(args[1], DeviceTensor):
+            STATS["h2d"] += args[1].numel() * args[1].element_size()
+        if dev is not None and torch.device(dev).type == DEVICE:
+            index = torch.device(dev).index or 0
+            kwargs["device"] = "cpu"
+        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        return tree_map(lambda x: DeviceTensor(x, index) if isinstance(x, torch.Tensor)
+                        and not isinstance(x, DeviceTensor) else x, out)
+
+    def numpy(self, *a, **k):
+        raise TypeError(f"can't convert {DEVICE} device type tensor to numpy. Use Tensor.cpu() to copy the "
+                        "tensor to host memory first.")
+
+
+def _flat(args):
+    out = []
+    tree_map(out.append, args)
+    return out
+
+
+def _unwrap(x):
+    return x.elem if isinstance(x, DeviceTensor) else x
+
+
+def _alloc(size, dtype, device, stride=None):
+    nbytes = (torch.Size(size).numel()) * (dtype or torch.get_default_dtype()).itemsize
+    if _FAIL["nbytes"] is not None and nbytes >= _FAIL["nbytes"]:
+        _FAIL["nbytes"] = None
+        raise torch.OutOfMemoryError(f"{DEVICE} out of memory: tried to allocate {nbytes} bytes (injected)")
+    STATS["allocs"] += 1
+    elem = torch.empty(size, dtype=dtype) if stride is None else torch.empty_strided(size, stride, dtype=dtype)
+    return DeviceTensor(elem, torch.device(device).index or 0 if device is not None else 0)
+
+
+def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return _alloc(size, dtype, device)
+
+
+def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    return _alloc(size, dtype, device, stride)
+
+
+def _copy_from(src, dst, non_blocking=False):
+    """A copy between the host and the device (``t.to("hfdev:i")``, ``cpu_tensor.copy_(device_tensor)``)."""
+    nbytes = src.numel() * src.element_size()
+    if isinstance(dst, DeviceTensor) and not isinstance(src, DeviceTensor):
+        STATS["h2d"] += nbytes
+    elif isinstance(src, DeviceTensor) and not isinstance(dst, DeviceTensor):
+        STATS["d2h"] += nbytes
+    _unwrap(dst).copy_(_unwrap(src))
+    return dst
+
+
+def fail_next_alloc(nbytes: int) -> None:
+    """The next device allocation of at least ``nbytes`` raises ``torch.OutOfMemoryError``."""
+    _FAIL["nbytes"] = nbytes
+
+
+def reset_stats() -> None:
+    STATS.update(live=sum(e[1] for e in _LIVE.values()), d2h=0, h2d=0, allocs=0)
+    STATS["peak"] = STATS["live"]
+
+
+# --- the rules ---------------------------------------------------------------------------------------
+
+class NcclRuleError(RuntimeError):
+    """What NCCL would raise (or where it would hang) for this call."""
+
+
+def _local_index() -> int:
+    return int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
+
+
+def _is_nccl(group) -> bool:
+    return RULES["on"] and not any(group is g for g in _GLOO_GROUPS)
+
+
+def _check(tensors, what, group):
+    if not RULES["refuse"]:
+        return
+    if not _is_nccl(group):
+        for t in tensors:
+            if isinstance(t, DeviceTensor):
+                raise NcclRuleError(f"{what}: a {DEVICE} tensor on a gloo group")
+        return
+    want = torch.device(DEVICE, _local_index())
+    for t in tensors:
+        if not isinstance(t, DeviceTensor):
+            raise NcclRuleError(f"{what}: NCCL moves only device tensors; got a {t.device} tensor"
+                                f"{' (pinned)' if t.is_pinned() else ''} of shape {tuple(t.shape)}")
+        if t.device != want:
+            raise NcclRuleError(f"{what}: tensor on {t.device}, but this rank's device is {want} "
+                                "(NCCL: duplicate GPU / wrong communicator)")
+
+
+def _tensor_call(name, tensor_args):
+    real = _REAL[name]
+
+    def call(*args, **kwargs):
+        group = kwargs.get("group")
+        if name in ("send", "recv", "isend", "irecv") and _is_nccl(group) and RULES["refuse"] \
+                and not RULES["unbatched_ok"]:
+            raise NcclRuleError(f"dist.{name}: unbatched point-to-point on NCCL (a 2-rank communicator per "
+                                "pair); use dist.batch_isend_irecv")
+        tensors = [a for i, a in enumerate(args) if i in tensor_args]
+        tensors += [kwargs[k] for k in ("tensor", "output_tensor", "input_tensor") if k in kwargs]
+        flat = []
+        for t in tensors:
+            flat.extend(t if isinstance(t, (list, tuple)) else [t])
+        _check(flat, f"dist.{name}", group)
+        return real(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+
+    return call
+
+
+def _batch(p2p_op_list):
+    ops = []
+    for op in p2p_op_list:
+        _check([op.tensor], "dist.batch_isend_irecv", op.group)
+        ops.append((op.op, _unwrap(op.tensor), op.peer, op.group, op.tag))
+    # gloo: plain async point-to-point, in order
+    return [fn(t, peer, group=group, tag=tag) for fn, t, peer, group, tag in ops]
+
+
+class _P2POp(dist.P2POp):
+    """``dist.P2POp`` given the wrapped ``dist.isend``/``dist.irecv``: holds the real ones."""
+
+    def __new__(cls, op, tensor, peer=None, group=None, tag=0, group_peer=None):
+        return super().__new__(cls, _UNWRAPPED.get(op, op), tensor, peer, group, tag, group_peer)
+
+    def __init__(self, op, tensor, peer=None, group=None, tag=0, group_peer=None):
+        super().__init__(_UNWRAPPED.get(op, op), tensor, peer, group, tag, group_peer)
+
+
+_UNWRAPPED: dict = {}
+
+
+def _object_call(name):
+    real = _REAL[name]
+
+    def call(*args, **kwargs):
+        if _is_nccl(kwargs.get("group")) and RULES["refuse"] and kwargs.get("device") is None and \
+                torch.hfdev.current_device() != _local_index():
+            raise NcclRuleError(f"dist.{name} on NCCL without set_device: rank {dist.get_rank()} "
+                                f"(LOCAL_RANK {_local_index()}) would use {DEVICE}:{torch.hfdev.current_device()}")
+        return real(*args, **kwargs)
+
+    return call
+
+
+def _get_backend(group=None):
+    return BACKEND if _is_nccl(group) else _REAL["get_backend"](group)
+
+
+def _new_group(*args, **kwargs):
+    g = _REAL["new_group"](*args, **kwargs)
+    if str(kwargs.get("backend", "")).lower() == "gloo":
+        _GLOO_GROUPS.append(g)
+    return g
+
+
+_PATCHED: dict = {}
+_DEVICE_SET_UP = []
+
+
+def _setup_device():
+    if _DEVICE_SET_UP:
+        return
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    _setup_privateuseone_for_python_backend(rename=DEVICE, backend_module=_Module)
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("empty.memory_format", _empty, "PrivateUse1")
+    lib.impl("empty_strided", _empty_strided, "PrivateUse1")
+    lib.impl("_copy_from", _copy_from, "PrivateUse1")
+    _DEVICE_SET_UP.append(lib)
+
+
+def install(world_size: int = 8) -> None:
+    """Fake device + NCCL rules in this process (see module doc). Idempotent."""
+    _setup_device()
+    _Module.count = max(world_size, 1)
+    if _PATCHED:
+        return
+    dist.Backend.backend_capability[BACKEND] = [DEVICE]
+    for name in ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                 "send", "recv", "isend", "irecv", "broadcast_object_list", "all_gather_object", "new_group",
+                 "get_backend", "batch_isend_irecv"):
+        _REAL[name] = getattr(dist, name)
+    _PATCHED.update({
+        "broadcast": _tensor_call("broadcast", {0}), "all_reduce": _tensor_call("all_reduce", {0}),
+        "all_gather": _tensor_call("all_gather", {0, 1}),
+        "all_gather_into_tensor": _tensor_call("all_gather_into_tensor", {0, 1}),
+        "reduce_scatter_tensor": _tensor_call("reduce_scatter_tensor", {0, 1}),
+        "send": _tensor_call("send", {0}), "recv": _tensor_call("recv", {0}), "isend": _tensor_call("isend", {0}),
+        "irecv": _tensor_call("irecv", {0}), "batch_isend_irecv": _batch,
+        "broadcast_object_list": _object_call("broadcast_object_list"),
+        "all_gather_object": _object_call("all_gather_object"),
+        "new_group": _new_group, "get_backend": _get_backend})
+    _UNWRAPPED.update({_PATCHED["isend"]: _REAL["isend"], _PATCHED["irecv"]: _REAL["irecv"]})
+    _PATCHED["P2POp"] = _P2POp
+    for name, fn in _PATCHED.items():
+        setattr(dist, name, fn)
