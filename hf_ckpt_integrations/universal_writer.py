@@ -81,6 +81,9 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
 
     from .sources.deepspeed import pipeline
 
+    from .api import config_dir_of
+
+    config = config_dir_of(config)
     src = os.path.abspath(os.fspath(src))
     source = find_source(src, tag)
     if source is not ds and source is not pipeline:
@@ -211,7 +214,7 @@ def _tensor(t: TensorPlan, dtype: str) -> OutTensor:
 
 
 def write_universal_checkpoint(src, dst, *, tag: Optional[str] = None, config: Optional[str] = None,
-                               tp_rules: Optional[Sequence[str]] = None) -> dict:
+                               tp_rules: Optional[Sequence[str]] = None, quiet: bool = True) -> dict:
     """Write the DeepSpeed universal checkpoint of the ZeRO save ``src`` (a save dir, tag dir or
     Trainer ``checkpoint-N``) into the new directory ``dst`` (see the module doc for the layout).
 
@@ -219,7 +222,8 @@ def write_universal_checkpoint(src, dst, *, tag: Optional[str] = None, config: O
     checkpoint nor the HF config (``config``, default next to the checkpoint) describes. Resume with
     ``"checkpoint": {"load_universal": true}`` in the DeepSpeed config and
     ``engine.load_checkpoint(os.path.dirname(dst), tag=os.path.basename(dst))``, at any data- or
-    tensor-parallel size. Returns a report (``destination``, ``parameters``, ``states``, ``files``,
+    tensor-parallel size. ``config``: the model's config.json or its directory. Not ``quiet``: a
+    progress bar (one step per parameter) on stderr when it is a terminal. Returns a report (``destination``, ``parameters``, ``states``, ``files``,
     ``bytes``, ``seconds``, ``notes``). Raises a :class:`~.errors.CheckpointError` subclass for every
     refusal; nothing is written then.
     """
@@ -228,11 +232,11 @@ def write_universal_checkpoint(src, dst, *, tag: Optional[str] = None, config: O
     start = time.monotonic()
     plan, states, model = plan_universal(src, tag=tag, config=config, tp_rules=tp_rules)
     notes = list(plan.notes)
-    strategy = export_strategy(dst, plan)
+    strategy = export_strategy(dst, plan, overwrite=None)  # never replaced: no --overwrite to name
     staging = strategy.begin()
     written = {"files": 0, "bytes": 0}
     try:
-        written = _write(plan, states, model, staging, notes)
+        written = _write(plan, states, model, staging, notes, quiet)
         strategy.commit()
     except BaseException:
         strategy.abort()
@@ -251,15 +255,20 @@ def _param_dict(t: TensorPlan, tensor: OutTensor) -> dict:
     return out
 
 
-def _write(plan: ExportPlan, states, model, staging, notes) -> Dict[str, int]:
+def _write(plan: ExportPlan, states, model, staging, notes, quiet=True) -> Dict[str, int]:
+    from .writer import progress_bar
+
     for name in states.tensor_names + states.scalar_names:  # each becomes a file name
         _check_name(name, f"{plan.source} (optimizer state)")
     zero = os.path.join(staging, ZERO_DIR)
     os.mkdir(zero)
     out = {"files": 0, "bytes": 0, "buffers": OrderedDict(), "steps": [], "shapes": OrderedDict(),
            "frozen": OrderedDict()}
-    for t in plan.tensors:
-        _write_param(plan, states, t, zero, out)
+    with progress_bar(len(plan.tensors), f"writing {os.path.basename(staging.rstrip(os.sep))}", quiet,
+                      unit="tensor") as bar:
+        for t in plan.tensors:
+            _write_param(plan, states, t, zero, out)
+            bar.update()
     with MappedFiles() as files:
         nbytes = _save(_optimizer_state(plan, states, out["steps"], files), os.path.join(zero, "optimizer_state.pt"))
         states_file = _model_states(plan, model, out["shapes"], out["frozen"], out["buffers"], files, notes)
@@ -336,7 +345,7 @@ def _model_states(plan, model, shapes, frozen, buffers, files, notes) -> dict:
 
 
 def verify_universal(dst, against, *, tag: Optional[str] = None, config: Optional[str] = None,
-                     tp_rules: Optional[Sequence[str]] = None):
+                     tp_rules: Optional[Sequence[str]] = None, quiet: bool = True):
     """Compare the universal checkpoint ``dst`` with the DeepSpeed save ``against``, state by state:
     every ``zero/<param>/<state>.pt`` tensor bitwise the source's state merged afresh by the plan,
     every ``step.pt`` the stored step, no parameter or state missing or extra. ``dst``'s files are
@@ -363,8 +372,11 @@ def verify_universal(dst, against, *, tag: Optional[str] = None, config: Optiona
         obj = load(path)
         return obj.get("param") if isinstance(obj, dict) else obj
 
-    with MappedFiles() as files:
+    from .writer import progress_bar
+
+    with MappedFiles() as files, progress_bar(len(plan.tensors), f"verifying {dst}", quiet, unit="tensor") as bar:
         for t in plan.tensors:
+            bar.update()
             if t.kind == "buffer" or t.name not in present:
                 continue
             folder = os.path.join(zero, t.name)
