@@ -6,31 +6,14 @@ from typing import Any, Mapping, Optional
 
 from . import sources
 from .errors import CheckpointError, OptionError, option
+from .formats.config import config_dir_of
 from .formats.dtypes import from_user, to_user
 from .guards import bad_metadata_as_input
 from .verify import VerifyReport, verify_plan
 from .export import write_plan
 from .writer import MAX_SHARD_SIZE, check_max_shard_size, check_workers
 
-__all__ = ["inspect_checkpoint", "export_checkpoint", "verify_checkpoint", "config_dir_of", "dtype_name"]
-
-CONFIG_NAME = "config.json"
-
-
-def config_dir_of(config) -> Optional[str]:
-    """``config`` (``--config``/``config=``: the model's ``config.json``, or the directory holding it)
-    as the directory the sources read; None stays None. A file by another name is refused
-    (:class:`~.errors.OptionError`): the tokenizer and generation files are looked for beside it."""
-    if config is None:
-        return None
-    config = os.fspath(config)
-    if os.path.isfile(config):
-        if os.path.basename(config) != CONFIG_NAME:
-            raise OptionError(f"{config}: {option('config', 'PATH')} takes a file named config.json or the "
-                              "directory holding the model's config.json (its tokenizer files are read beside it)")
-        return os.path.dirname(config) or "."
-    return config
-
+__all__ = ["inspect_checkpoint", "export_checkpoint", "verify_checkpoint", "dtype_name"]
 
 def dtype_name(dtype) -> Optional[str]:
     """``dtype`` as the package's short name (``"bf16"``): also torch's names (``"bfloat16"``,
@@ -101,11 +84,11 @@ def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[st
     plan = sources.build_plan(src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules,
                               source_options=source_options)
     check_missing(plan, src, allow_missing)
-    if not merge_adapters:  # a merge writes its base model's config
-        check_config(plan, src, weights_only)
     required = plan.detail.get("dtype_required")  # a source that holds only one dtype exactly
     if required and (required["dtype"] is None or from_user(dtype) != from_user(required["dtype"])):
         raise CheckpointError(required["reason"])
+    if not merge_adapters:  # the checkpoint's own refusals first; a merge writes its base model's config
+        check_config(plan, src, weights_only)
     from .parallel import world_from_env, write_plan_parallel
 
     if (merge_adapters or plan.adapter is not None) and world_from_env() > 1 and os.environ.get("RANK", "0") != "0":

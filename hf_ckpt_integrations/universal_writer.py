@@ -81,7 +81,7 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
 
     from .sources.deepspeed import pipeline
 
-    from .api import config_dir_of
+    from .formats.config import config_dir_of
 
     config = config_dir_of(config)
     src = os.path.abspath(os.fspath(src))
