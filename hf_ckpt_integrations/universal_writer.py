@@ -236,7 +236,7 @@ def write_universal_checkpoint(src, dst, *, tag: Optional[str] = None, config: O
     staging = strategy.begin()
     written = {"files": 0, "bytes": 0}
     try:
-        written = _write(plan, states, model, staging, notes, quiet)
+        written = _write(plan, states, model, staging, notes, quiet, f"writing {strategy.dst}")
         strategy.commit()
     except BaseException:
         strategy.abort()
@@ -255,7 +255,7 @@ def _param_dict(t: TensorPlan, tensor: OutTensor) -> dict:
     return out
 
 
-def _write(plan: ExportPlan, states, model, staging, notes, quiet=True) -> Dict[str, int]:
+def _write(plan: ExportPlan, states, model, staging, notes, quiet=True, desc="writing") -> Dict[str, int]:
     from .writer import progress_bar
 
     for name in states.tensor_names + states.scalar_names:  # each becomes a file name
@@ -264,8 +264,7 @@ def _write(plan: ExportPlan, states, model, staging, notes, quiet=True) -> Dict[
     os.mkdir(zero)
     out = {"files": 0, "bytes": 0, "buffers": OrderedDict(), "steps": [], "shapes": OrderedDict(),
            "frozen": OrderedDict()}
-    with progress_bar(len(plan.tensors), f"writing {os.path.basename(staging.rstrip(os.sep))}", quiet,
-                      unit="tensor") as bar:
+    with progress_bar(len(plan.tensors), desc, quiet, unit="tensor") as bar:
         for t in plan.tensors:
             _write_param(plan, states, t, zero, out)
             bar.update()
