@@ -181,7 +181,7 @@ def inspect_command(args) -> int:
               + (f"; modules_to_save {', '.join(adapter['modules_to_save'])}" if adapter["modules_to_save"] else ""))
         print(f"base        {adapter['base_model_name_or_path']}")
     else:
-        print(f"config      {info['config_dir'] or 'not found (pass --config to export)'}")
+        print(f"config      {info['config_dir'] or 'not found (export needs --config PATH, or --weights-only)'}")
     for note in info["notes"]:
         print(f"note        {note}")
     for line in _universal_lines(info.get("universal")):

@@ -2,7 +2,9 @@
 
 Every message names the file (or tensor) and says what to do; the CLI prints it as one
 ``error:`` line (through :func:`one_line`) and exits with :data:`EXIT_BAD_INPUT`. Anything else
-that escapes is a bug: one ``error:`` line and :data:`EXIT_INTERNAL`.
+that escapes is a bug: one ``error:`` line and :data:`EXIT_INTERNAL`. A message that names an
+option builds it with :func:`option`, so the Python API says ``overwrite=True`` where the CLI
+says ``--overwrite``.
 """
 
 import contextlib

@@ -42,7 +42,7 @@ import time
 from collections import OrderedDict
 from typing import Dict, Optional, Sequence
 
-from .errors import CheckpointError, LayoutError, short_repr
+from .errors import CheckpointError, LayoutError, option, short_repr
 from .assemble import FileRange
 from .formats.torch_files import TensorRef
 from .formats.torch_save_out import OutTensor, TorchSize, archive_name, save as save_torch_file
@@ -90,8 +90,8 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
         raise CheckpointError(f"{src}: a {source.NAME} checkpoint; a universal checkpoint is written from a "
                               "DeepSpeed ZeRO save or PipelineModule save (engine.save_checkpoint output) only")
     if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
-        raise CheckpointError(f"{config}: no config.json there; pass --config a directory holding the model's "
-                              "config.json")
+        raise CheckpointError(f"{config}: no config.json there; pass {option('config', 'PATH')} the model's "
+                              "config.json or the directory holding it")
     config_dir = config if config is not None else find_config_dir(source.config_candidates(src, tag))
     ctx = PlanContext(src, tag=tag, options={"tp_rules": list(tp_rules or [])}, config_dir=config_dir)
     # A PipelineModule save keeps the module's own names ("{layer}.{name}", what load_universal looks up);

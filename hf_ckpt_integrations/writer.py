@@ -28,7 +28,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 from .assemble import FileRange, iter_bytes
 from .commit import TMP_MARKER, SiblingSwap, disk_error
-from .errors import DestinationError, OptionError
+from .errors import DestinationError, OptionError, option
 from .formats import names
 from .formats.dtypes import SIZES as DTYPE_SIZES, from_user as dtype_from_name
 from .formats.names import CONFIG_FILES, MAX_SHARD_SIZE, SAFETENSORS_INDEX as INDEX_NAME
@@ -64,8 +64,6 @@ def check_max_shard_size(max_shard_size) -> int:
     (:func:`~.formats.names.default_max_shard_size`). :class:`~.errors.OptionError` otherwise."""
     from huggingface_hub.serialization._base import parse_size_to_int
 
-    from .errors import option
-
     if max_shard_size is None:
         max_shard_size = names.default_max_shard_size()
     size = max_shard_size
@@ -86,7 +84,7 @@ def check_max_shard_size(max_shard_size) -> int:
 def check_workers(workers) -> int:
     """``workers`` if it is a whole number of at least 1; :class:`~.errors.OptionError` otherwise."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise OptionError(f"--workers {workers!r}: pass 1 or more")
+        raise OptionError(f"{option('workers', repr(workers))}: pass 1 or more")
     return workers
 
 

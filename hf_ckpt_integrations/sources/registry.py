@@ -23,7 +23,7 @@ import os
 import re
 from typing import Any, Dict, Mapping, Optional
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, option
 from ..supported_inputs import SRC_HINT
 from ..formats.names import CONFIG_NAME
 from ..plan import ExportPlan
@@ -134,8 +134,8 @@ def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[s
     if config is not None and peft.is_adapter_config_dir(config):
         adapter_config, config = config, None  # --config names a PEFT adapter's directory
     if config is not None and not os.path.isfile(os.path.join(config, CONFIG_NAME)):
-        raise CheckpointError(f"{config}: no config.json there; pass --config a directory holding the "
-                              "model's config.json (e.g. from model.config.save_pretrained(dir))")
+        raise CheckpointError(f"{config}: no config.json there; pass {option('config', 'PATH')} the model's "
+                              "config.json or the directory holding it (e.g. from model.config.save_pretrained(dir))")
     config_dir = config if config is not None else find_config_dir(source.config_candidates(path, tag))
     ctx = PlanContext(path, tag=tag, dtype=dtype, options=ctx_options, config_dir=config_dir)
     plan = source.plan(ctx)
