@@ -66,5 +66,5 @@ def help_epilog() -> str:
     lines = ["SRC may be (docs: Supported inputs):"]
     for k in INPUTS:
         text = f"{k.kind}: {k.looks_like}; written by {k.written_by}".replace("`", "")
-        lines += textwrap.wrap(text, 100, initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False)
+        lines += textwrap.wrap(text, 78, initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False)
     return "\n".join(lines)
