@@ -45,9 +45,9 @@ test-cai:
 docs: setup
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet -d site
 
-# NB=doctor.ipynb runs one notebook.
+# NB=doctor.ipynb runs one notebook; NB_ARGS=--cell-timeout=900 on a loaded machine.
 notebooks: setup
-	.venv/bin/python scripts/run_notebooks.py $(NB)
+	.venv/bin/python scripts/run_notebooks.py $(NB_ARGS) $(NB)
 
 bench: setup
 	.venv/bin/python benchmarks/export_bench.py

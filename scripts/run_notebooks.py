@@ -99,6 +99,8 @@ def run_notebook(nb_path: Path, tmp: Path, *, workdir: Path = None, out_path: Pa
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("notebooks", nargs="*", help="notebook names or paths (default: every notebooks/*.ipynb)")
+    parser.add_argument("--cell-timeout", type=int, default=CELL_TIMEOUT_S, metavar="S",
+                        help=f"seconds a cell may run (default {CELL_TIMEOUT_S}; more on a loaded machine)")
     args = parser.parse_args(argv)
     paths = [Path(n) if Path(n).is_file() else REPO / "notebooks" / Path(n).name for n in args.notebooks] or \
         sorted((REPO / "notebooks").glob("*.ipynb"))
@@ -112,14 +114,15 @@ def main(argv=None) -> int:
         work = OUT / "work" / nb.stem
         shutil.rmtree(work, ignore_errors=True)
         with tempfile.TemporaryDirectory(prefix="hfckpt-nb-") as tmp:
-            r = run_notebook(nb, Path(tmp), workdir=work, out_path=OUT / nb.name,
+            r = run_notebook(nb, Path(tmp), workdir=work, out_path=OUT / nb.name, cell_timeout_s=args.cell_timeout,
                              env_extra={"PYTHONPATH": os.pathsep.join(
                                  p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)})
         if r["ok"]:
             print(f"ok    {nb.name}: {r['seconds']} s -> {(OUT / nb.name).relative_to(REPO)}", flush=True)
         else:
             failed += 1
-            print(f"FAIL  {nb.name}: {r.get('error')}\n{r.get('log', '')}", flush=True)
+            print(f"FAIL  {nb.name}: {r.get('error')}\n{r.get('log', '')}\n(partial outputs in "
+                  f"{(OUT / nb.name).relative_to(REPO)})", flush=True)
     return 1 if failed else 0
 
 
