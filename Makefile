@@ -3,7 +3,7 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test test-fast test-main test-cai docs bench fuzz mutants clean gpu-check
+.PHONY: help setup demo test test-fast test-main test-cai docs notebooks bench fuzz mutants clean gpu-check
 
 help:
 	@echo "make demo   - train a tiny Llama under DeepSpeed ZeRO-3, export, verify, reload"
@@ -12,6 +12,8 @@ help:
 	@echo "make mutants - break each guard in turn (tests/mutants.toml) in a scratch copy; a test must fail"
 	@echo "make setup  - build .venv and .venv-cai (idempotent)"
 	@echo "make docs   - build the documentation site (mkdocs --strict) into site/"
+	@echo "make notebooks - run the notebooks headless, each in its venv; executed copies with outputs in"
+	@echo "              build/notebooks/ (git-ignored; the committed notebooks stay without outputs)"
 	@echo "make bench  - benchmark hf-ckpt export against zero_to_fp32.py, and save-time hooks against"
 	@echo "              save_pretrained under ZeRO-2/3, and plan cost against the rank count on"
 	@echo "              synthetic 8..1,024-rank saves, and FSDP2/DCP export against dcp_to_torch_save,"
@@ -43,6 +45,10 @@ test-cai:
 
 docs: setup
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet -d site
+
+# NB=doctor.ipynb runs one notebook; NB_ARGS=--cell-timeout=900 on a loaded machine.
+notebooks: setup
+	.venv/bin/python scripts/run_notebooks.py $(NB_ARGS) $(NB)
 
 bench: setup
 	.venv/bin/python benchmarks/export_bench.py

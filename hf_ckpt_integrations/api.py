@@ -5,14 +5,25 @@ import os
 from typing import Any, Mapping, Optional
 
 from . import sources
-from .errors import CheckpointError, OptionError
-from .formats.dtypes import from_user
+from .errors import CheckpointError, OptionError, option
+from .formats.config import config_dir_of
+from .formats.dtypes import from_user, to_user
 from .guards import bad_metadata_as_input
 from .verify import VerifyReport, verify_plan
 from .export import write_plan
 from .writer import MAX_SHARD_SIZE, check_max_shard_size, check_workers
 
-__all__ = ["inspect_checkpoint", "export_checkpoint", "verify_checkpoint"]
+__all__ = ["inspect_checkpoint", "export_checkpoint", "verify_checkpoint", "dtype_name"]
+
+def dtype_name(dtype) -> Optional[str]:
+    """``dtype`` as the package's short name (``"bf16"``): also torch's names (``"bfloat16"``,
+    ``"half"``, ``"float"``) and ``torch.dtype`` objects (``torch.bfloat16``); None stays None.
+    :class:`~.errors.OptionError` for anything else, before any file is read."""
+    if dtype is None:
+        return None
+    if type(dtype).__name__ == "dtype" and type(dtype).__module__ == "torch":  # no torch import needed
+        dtype = str(dtype).removeprefix("torch.")
+    return to_user(from_user(dtype))
 
 
 def inspect_checkpoint(src, *, tag: Optional[str] = None, config: Optional[str] = None, tp_rules=None,
@@ -24,8 +35,8 @@ def inspect_checkpoint(src, *, tag: Optional[str] = None, config: Optional[str] 
     checkpoint that cannot be exported.
     """
     # keep_fp32_lists: which tensors a bf16/fp16 export keeps in fp32, and why (from the one config read)
-    plan = sources.build_plan(src, tag=tag, config=config, tp_rules=tp_rules, source_options=source_options,
-                              keep_fp32_lists=True)
+    plan = sources.build_plan(src, tag=tag, config=config_dir_of(config), tp_rules=tp_rules,
+                              source_options=source_options, keep_fp32_lists=True)
     return plan.summary()
 
 
@@ -33,14 +44,20 @@ def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[st
                       max_shard_size=MAX_SHARD_SIZE, config: Optional[str] = None, overwrite: bool = False,
                       quiet: bool = True, tp_rules=None, workers: int = 1, merge_adapters: bool = False,
                       base: Optional[str] = None, source_options: Optional[Mapping[str, Any]] = None,
-                      allow_missing: bool = False) -> dict:
+                      allow_missing: bool = False, weights_only: bool = False) -> dict:
     """Export ``src`` (any source the registry reads: DeepSpeed save dir, tag dir, Trainer
     ``checkpoint-N``, universal checkpoint, HF directory) to an HF directory ``dst``.
 
-    ``dtype``: ``"fp32"`` (default when the checkpoint has fp32 masters), ``"bf16"`` or ``"fp16"``;
+    ``dtype``: ``"fp32"`` (default when the checkpoint has fp32 masters), ``"bf16"`` or ``"fp16"``
+    (torch's names too: ``"bfloat16"``, ``"float16"``, ``"half"``, ``"float32"``, ``"float"``, or a
+    ``torch.dtype`` such as ``torch.bfloat16``);
     the modules the model class keeps in fp32 stay fp32, as ``from_pretrained(dtype=...)`` keeps them
     (docs/dtypes.md). ``max_shard_size``: None (default) is the installed transformers'
-    ``save_pretrained`` default, read from its signature (50GB on transformers 5, 5GB on 4.x).
+    ``save_pretrained`` default, read from its signature (50GB on transformers 5, 5GB on 4.x); else
+    ``"5GB"``, ``"500MB"``, ``"5GiB"`` or a byte count (``5_000_000`` or ``"5000000"``). ``config``:
+    the model's ``config.json`` or the directory holding it (default: the one found next to the
+    checkpoint). With none found the export is refused, since ``from_pretrained`` could not load
+    it, unless ``weights_only`` (the weights alone; add a config.json before loading).
     ``tp_rules``: ``["PATTERN=0|1|replicated", ...]`` for model-parallel parameters nothing else
     describes. ``source_options``: ``{name: value}`` for the options sources declare (``OPTIONS`` in
     their modules; a list for an option given several times). ``workers``: shards written at once from a thread pool. Under ``torchrun`` (``WORLD_SIZE``
@@ -58,17 +75,20 @@ def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[st
     Tensors the checkpoint's own records or its config.json's model name but the checkpoint does
     not hold (``inspect``: ``missing_tensors``) refuse the export unless ``allow_missing``.
     """
-    check_max_shard_size(max_shard_size)  # before reading the checkpoint
+    max_shard_size = check_max_shard_size(max_shard_size)  # before reading the checkpoint
     check_workers(workers)
-    from_user(dtype)
+    dtype = dtype_name(dtype)
+    config = config_dir_of(config)
     if base is not None and not merge_adapters:
-        raise OptionError("--base is only used with --merge-adapters")
+        raise OptionError(f"{option('base', 'DIR')} is only used with {option('merge_adapters')}")
     plan = sources.build_plan(src, tag=tag, dtype=dtype, config=config, tp_rules=tp_rules,
                               source_options=source_options)
     check_missing(plan, src, allow_missing)
     required = plan.detail.get("dtype_required")  # a source that holds only one dtype exactly
     if required and (required["dtype"] is None or from_user(dtype) != from_user(required["dtype"])):
         raise CheckpointError(required["reason"])
+    if not merge_adapters:  # the checkpoint's own refusals first; a merge writes its base model's config
+        check_config(plan, src, weights_only)
     from .parallel import world_from_env, write_plan_parallel
 
     if (merge_adapters or plan.adapter is not None) and world_from_env() > 1 and os.environ.get("RANK", "0") != "0":
@@ -88,9 +108,11 @@ def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[st
 
 
 def verify_checkpoint(dst, against, *, tag: Optional[str] = None, config: Optional[str] = None,
-                      tp_rules=None, source_options: Optional[Mapping[str, Any]] = None) -> VerifyReport:
+                      tp_rules=None, source_options: Optional[Mapping[str, Any]] = None,
+                      quiet: bool = True) -> VerifyReport:
     """Compare every tensor of the HF directory ``dst`` with the source ``against``, bitwise. The plan
-    is derived afresh (no Hub-layout cache): verify never takes an answer from what export used."""
+    is derived afresh (no Hub-layout cache): verify never takes an answer from what export used.
+    Not ``quiet``: a progress bar on stderr when it is a terminal."""
     from .sources.registry import find_source
     from .sources.universal import is_universal_dir
 
@@ -98,12 +120,12 @@ def verify_checkpoint(dst, against, *, tag: Optional[str] = None, config: Option
     if is_universal_dir(dst) and source.NAME in ("deepspeed", "deepspeed-pipeline"):
         from .universal_writer import verify_universal  # a universal checkpoint: every state, bitwise
 
-        return verify_universal(dst, against, tag=tag, config=config, tp_rules=tp_rules)
-    config = config if config is not None else _export_config(source, dst, against, tag)
+        return verify_universal(dst, against, tag=tag, config=config_dir_of(config), tp_rules=tp_rules, quiet=quiet)
+    config = config_dir_of(config) if config is not None else _export_config(source, dst, against, tag)
     plan = sources.build_plan(against, tag=tag, config=config, tp_rules=tp_rules, source_options=source_options,
                               layout_cache=False, source=source)
     with bad_metadata_as_input(dst):  # a hand-edited index or header of dst is bad input, not a bug
-        return verify_plan(plan, dst)
+        return verify_plan(plan, dst, quiet=quiet)
 
 
 def _export_config(source, dst, against, tag) -> Optional[str]:
@@ -136,7 +158,25 @@ def check_missing(plan, src, allow_missing: bool) -> None:
     if plan.detail.get("exclude_frozen_parameters"):
         why, other = " (saved with exclude_frozen_parameters=True)", "export from a save that includes them"
     else:  # nothing says why: parameters left out of the save, or a config.json of another model
-        why, other = "", "pass --config the config.json of the model that was trained"
+        why, other = "", f"pass {option('config', 'PATH')} the config.json of the model that was trained"
     raise CheckpointError(f"{src}: the model has {len(missing)} tensor(s) this checkpoint does not hold{why}: "
-                          f"{names}; pass --allow-missing to export the tensors it holds (from_pretrained then "
-                          f"initialises the others), or {other}")
+                          f"{names}; pass {option('allow_missing')} to export the tensors it holds (from_pretrained "
+                          f"then initialises the others), or {other}")
+
+
+NO_CONFIG_NOTE = "no config.json found next to the checkpoint"
+
+
+def check_config(plan, src, weights_only: bool) -> None:
+    """Refuse (:class:`~.errors.CheckpointError`) the export of a plan with no config.json (none
+    beside the checkpoint, none passed): ``from_pretrained`` cannot load such a directory. A PEFT
+    adapter export needs none (``adapter_config.json`` is its config). ``weights_only``: the user
+    asked for the weights alone; the export goes on without the warning."""
+    if plan.config_dir is not None or plan.adapter is not None:
+        return
+    if weights_only:
+        plan.notes[:] = [n for n in plan.notes if not n.startswith(NO_CONFIG_NOTE)]
+        return
+    raise CheckpointError(f"{src}: no config.json next to the checkpoint, so from_pretrained could not load the "
+                          f"export; pass {option('config', 'PATH')} (the model's config.json or its directory), "
+                          f"or {option('weights_only')} to write the weights alone")

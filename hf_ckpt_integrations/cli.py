@@ -18,7 +18,9 @@ import sys
 import threading
 import traceback
 
-from .errors import EXIT_BAD_INPUT, EXIT_DIFFERENT, EXIT_INTERNAL, EXIT_OK, CheckpointError, one_line
+from ._version import __version__
+from .errors import EXIT_BAD_INPUT, EXIT_DIFFERENT, EXIT_INTERNAL, EXIT_OK, CheckpointError, cli_spelling, one_line
+from .supported_inputs import SRC_HELP, help_epilog
 
 __all__ = ["main", "build_parser", "inspect_command", "export_command", "verify_command", "universal_command"]
 
@@ -30,13 +32,23 @@ class _ArgumentParser(argparse.ArgumentParser):
         print(f"error: {one_line(message)} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT)
 
+    def parse_args(self, args=None, namespace=None):
+        # argparse reports options it does not know on the top-level parser; a user who typed
+        # `hf-ckpt export ... --bogus` needs `hf-ckpt export --help`, so the command's parser says it.
+        args, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(self, "commands", {}).get(getattr(args, "command", None), self)
+            command.error(f"unrecognized arguments: {' '.join(extras)}")
+        return args
 
-def _parser(subparsers, name, help_text):
+
+def _parser(subparsers, name, help_text, epilog=None):
+    kw = dict(description=help_text, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     if subparsers is not None:
-        p = subparsers.add_parser(name, help=help_text, description=help_text)
+        p = subparsers.add_parser(name, help=help_text, **kw)
         default = argparse.SUPPRESS  # keep a --debug given before the command
     else:
-        p = _ArgumentParser(prog=f"hf-ckpt {name}", description=help_text)
+        p = _ArgumentParser(prog=f"hf-ckpt {name}", **kw)
         default = False
     p.add_argument("--debug", action="store_true", default=default,
                    help="on an internal error (exit 3), print the traceback too")
@@ -44,16 +56,30 @@ def _parser(subparsers, name, help_text):
 
 
 def inspect_command_parser(subparsers=None):
-    p = _parser(subparsers, "inspect", "Describe a checkpoint: engine, stage, world layout, dtypes, tensors, problems.")
-    p.add_argument("src", help="DeepSpeed save dir, tag dir, or Trainer checkpoint-N dir")
+    p = _parser(subparsers, "inspect", "Describe a checkpoint: engine, stage, world layout, dtypes, tensors, problems.",
+                help_epilog())
+    p.add_argument("src", help=SRC_HELP)
     p.add_argument("--tag", help="tag to read (default: the one named by 'latest')")
-    p.add_argument("--config", help="directory holding config.json (default: next to the checkpoint)")
+    p.add_argument("--config", metavar="PATH", help=_CONFIG_HELP)
     _source_args(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--universal", action="store_true", help="also show what `hf-ckpt universal` would write from "
                    "it: the optimizer states carried and, per parameter, how its model-parallel slices merge")
     p.set_defaults(func=inspect_command)
     return p
+
+
+_CONFIG_HELP = ("the model's config.json, or the directory holding it (default: the one next to the checkpoint); "
+                "its tokenizer and generation files are copied too")
+
+
+def _dtype(text):
+    from .formats.dtypes import from_user, to_user
+
+    try:
+        return to_user(from_user(text))
+    except CheckpointError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _source_args(p):
@@ -155,7 +181,7 @@ def inspect_command(args) -> int:
               + (f"; modules_to_save {', '.join(adapter['modules_to_save'])}" if adapter["modules_to_save"] else ""))
         print(f"base        {adapter['base_model_name_or_path']}")
     else:
-        print(f"config      {info['config_dir'] or 'not found (pass --config to export)'}")
+        print(f"config      {info['config_dir'] or 'not found (export needs --config PATH, or --weights-only)'}")
     for note in info["notes"]:
         print(f"note        {note}")
     for line in _universal_lines(info.get("universal")):
@@ -191,17 +217,22 @@ def _conversion_lines(conversions):
 
 
 def export_command_parser(subparsers=None):
-    p = _parser(subparsers, "export", "Write a checkpoint as a HuggingFace directory that from_pretrained loads.")
-    p.add_argument("src", help="DeepSpeed save dir, tag dir, or Trainer checkpoint-N dir")
+    p = _parser(subparsers, "export", "Write a checkpoint as a HuggingFace directory that from_pretrained loads.",
+                help_epilog())
+    p.add_argument("src", help=SRC_HELP)
     p.add_argument("dst", help="output directory (must not exist unless --overwrite)")
     p.add_argument("--tag", help="tag to read (default: the one named by 'latest')")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
-                   help="output dtype of floating tensors (default: fp32 masters when the checkpoint has them)")
-    p.add_argument("--max-shard-size", default=None,
-                   help="largest shard, e.g. 5GB or 500MB (default: the installed transformers' save_pretrained "
-                        "default, read from its signature: 50GB on transformers 5, 5GB on 4.x)")
-    p.add_argument("--config", help="directory holding config.json/tokenizer files to copy "
-                   "(default: next to the checkpoint)")
+    p.add_argument("--dtype", type=_dtype, metavar="{fp32,bf16,fp16}",
+                   help="output dtype of floating tensors, also by torch's names (float32, float, bfloat16, "
+                        "float16, half) (default: fp32 masters when the checkpoint has them)")
+    p.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                   help="largest shard: 5GB, 500MB, 5GiB (what save_pretrained takes) or a byte count, 5000000 "
+                        "(default: the installed transformers' save_pretrained default, read from its signature: "
+                        "50GB on transformers 5, 5GB on 4.x)")
+    p.add_argument("--config", metavar="PATH", help=_CONFIG_HELP)
+    p.add_argument("--weights-only", action="store_true",
+                   help="write the weights without a config.json when none is found (from_pretrained cannot load "
+                        "the result until one is added); without it, no config is an error")
     _source_args(p)
     p.add_argument("--overwrite", action="store_true", help="replace dst if it exists (atomically)")
     p.add_argument("--workers", type=int, default=1, metavar="N",
@@ -221,31 +252,45 @@ def export_command_parser(subparsers=None):
 
 
 def export_command(args) -> int:
+    import time
+
     from .api import export_checkpoint
 
+    started = time.perf_counter()  # the summary's time is the command's: planning (a first run fills
+    # the Hub-layout cache) as well as writing
     # Under `torchrun --nproc_per_node N -m hf_ckpt_integrations export ...` the ranks split the shards.
     report = export_checkpoint(args.src, args.dst, tag=args.tag, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                config=args.config, overwrite=args.overwrite, quiet=args.quiet, tp_rules=args.tp_rule,
                                workers=args.workers, merge_adapters=args.merge_adapters, base=args.base,
-                               source_options=_source_options(args), allow_missing=args.allow_missing)
+                               source_options=_source_options(args), allow_missing=args.allow_missing,
+                               weights_only=args.weights_only)
     if os.environ.get("RANK", "0") != "0":
         return EXIT_OK
     for note in [n for n in report.get("notes", []) if "config.json" in n] + report.get("warnings", []):
         print(f"warning: {one_line(note)}", file=sys.stderr)
     if not args.quiet:
         print(f"wrote {report['destination']}: {report['shards']} shard(s), {report['tensor_bytes']:,} tensor bytes, "
-              f"{report['bytes_on_disk']:,} bytes on disk, {report['seconds']} s")
+              f"{report['bytes_on_disk']:,} bytes on disk, {_seconds(time.perf_counter() - started, report)}")
     return EXIT_OK
+
+
+def _seconds(total, report) -> str:
+    """The command's wall time, and the write's share when reading the plan took a visible part."""
+    write = report.get("seconds")
+    if write is None or total - write < 0.5:
+        return f"{total:.2f} s"
+    return f"{total:.2f} s ({total - write:.2f} s planning, {write:.2f} s writing)"
 
 
 def verify_command_parser(subparsers=None):
     p = _parser(subparsers, "verify", "Compare an exported directory with its source, every tensor bitwise.")
     p.add_argument("dst", help="the exported HuggingFace directory")
-    p.add_argument("--against", required=True, help="the source checkpoint it was exported from")
+    p.add_argument("--against", required=True, metavar="SRC", help="the source checkpoint it was exported from")
     p.add_argument("--tag", help="tag of the source (default: the one named by 'latest')")
-    p.add_argument("--config", help="directory holding config.json (default: next to the source; for a pipeline "
-                   "save that keeps none there, DST's own config.json)")
+    p.add_argument("--config", metavar="PATH", help="the model's config.json or its directory (default: next to the "
+                   "source; for a pipeline save that keeps none there, DST's own config.json)")
     _source_args(p)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=verify_command)
     return p
 
@@ -254,7 +299,7 @@ def verify_command(args) -> int:
     from .api import verify_checkpoint
 
     report = verify_checkpoint(args.dst, args.against, tag=args.tag, config=args.config, tp_rules=args.tp_rule,
-                               source_options=_source_options(args))
+                               source_options=_source_options(args), quiet=args.quiet)
     if report.ok:
         print(f"ok: {report.checked} tensors bitwise equal to {args.against}")
         return EXIT_OK
@@ -270,17 +315,19 @@ def universal_command_parser(subparsers=None):
                 "DeepSpeed config and engine.load_checkpoint(PARENT, tag=NAME), where DST is PARENT/NAME.")
     p.add_argument("src", help="DeepSpeed save dir, tag dir, or Trainer checkpoint-N dir (ZeRO-1/2/3, or a "
                    "PipelineModule's: its parameters keep the module's own names)")
-    p.add_argument("dst", help="new directory to write (the tag directory DeepSpeed loads; never inside SRC)")
+    p.add_argument("dst", help="new directory to write (the tag directory DeepSpeed loads; never inside SRC; never "
+                   "replaced: universal has no --overwrite, remove an old one yourself)")
     p.add_argument("--tag", help="tag to read (default: the one named by 'latest')")
-    p.add_argument("--config", help="directory holding config.json, whose HF tp plan (a pipeline save: the "
-                   "name map of its model_type) tells how tensor-parallel slices merge (default: next to the checkpoint)")
+    p.add_argument("--config", metavar="PATH", help="the model's config.json or its directory, whose HF tp plan "
+                   "(a pipeline save: the name map of its model_type) tells how tensor-parallel slices merge "
+                   "(default: next to the checkpoint)")
     p.add_argument("--tp-rule", action="append", default=[], metavar="PATTERN=0|1|replicated",
                    help="how to merge model-parallel slices of parameters matching PATTERN (fnmatch) that "
                         "neither the checkpoint nor the HF config describes; repeatable")
     p.add_argument("--dry-run", action="store_true", help="write nothing: print as JSON what would be written, "
                    "per parameter its full shape, how its model-parallel slices merge (rule and where it came from) "
                    "and which states")
-    p.add_argument("--quiet", action="store_true", help="no summary")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
     p.set_defaults(func=universal_command)
     return p
 
@@ -295,7 +342,7 @@ def universal_command(args) -> int:
         return EXIT_OK
     with contextlib.redirect_stdout(sys.stderr):  # what importing engines prints never mixes with the summary
         report = write_universal_checkpoint(args.src, args.dst, tag=args.tag, config=args.config,
-                                            tp_rules=args.tp_rule)
+                                            tp_rules=args.tp_rule, quiet=args.quiet)
     for note in report.get("notes", []):
         print(f"warning: {one_line(note)}", file=sys.stderr)
     if not args.quiet:
@@ -309,11 +356,13 @@ def build_parser():
     parser = _ArgumentParser(prog="hf-ckpt", description="Make distributed training checkpoints "
                              "loadable with from_pretrained: inspect, export, verify; resumable at another layout: universal.")
     parser.add_argument("--debug", action="store_true", help="on an internal error (exit 3), print the traceback too")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"hf-ckpt {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{inspect,export,verify,universal}")
     inspect_command_parser(sub)
     export_command_parser(sub)
     verify_command_parser(sub)
     universal_command_parser(sub)
+    parser.commands = sub.choices  # the unknown-option error names the command's --help
     return parser
 
 
@@ -340,12 +389,17 @@ def _error(message) -> None:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:  # `hf-ckpt` alone: nothing was asked, so nothing failed
+        parser.print_help()
+        return EXIT_OK
     previous = {}
     if threading.current_thread() is threading.main_thread():
         previous = {s: signal.signal(s, _stop) for s in _STOP_SIGNALS}
     try:
-        return args.func(args)
+        with cli_spelling():  # messages name options as flags (--overwrite), not keywords (overwrite=True)
+            return args.func(args)
     except CheckpointError as e:
         if getattr(args, "debug", False):
             traceback.print_exc()

@@ -41,7 +41,7 @@ import stat
 import sys
 from typing import Iterable, List, Optional
 
-from .errors import DestinationError
+from .errors import DestinationError, option
 from .guards import check_destination, is_or_holds
 from .outfiles import open_dir
 # The lock, the owner markers and the interface live in ._staging, the save-time merge in
@@ -111,7 +111,9 @@ class SiblingSwap(CommitStrategy):
 
     LOCK_SUFFIX = LOCK_SUFFIX
 
-    def __init__(self, dst, *, overwrite: bool = False, inputs=(), configs=()):
+    def __init__(self, dst, *, overwrite: Optional[bool] = False, inputs=(), configs=()):
+        # overwrite None: the caller offers no way to replace dst (hf-ckpt universal), so the refusal
+        # of an existing one names no option.
         self._raw, self._inputs, self._configs = dst, list(inputs), list(configs)
         self.overwrite = overwrite
         self.dst = self.path = self.lock_path = None
@@ -178,14 +180,16 @@ class SiblingSwap(CommitStrategy):
 
     def _check_replaceable(self) -> None:
         """``dst`` exists: refuse unless ``overwrite`` and it is a flat directory (an export)."""
+        if self.overwrite is None:
+            raise DestinationError(f"{self.dst}: already exists; choose a new directory, or remove it first")
         if not self.overwrite:
-            raise DestinationError(f"{self.dst}: already exists; choose a new directory or pass --overwrite")
+            raise DestinationError(f"{self.dst}: already exists; choose a new directory or pass {option('overwrite')}")
         if not stat.S_ISDIR(os.lstat(self.dst).st_mode):
             raise DestinationError(f"{self.dst}: exists and is not a directory; remove it or choose another path")
         sub = subdirectory(self.dst)
         if sub is not None:
             raise DestinationError(f"{self.dst}: holds a subdirectory ({sub}), so it is not an earlier export; "
-                                   "--overwrite replaces only an export (a directory of files): remove it yourself "
+                                   f"{option('overwrite')} replaces only an export (a directory of files): remove it yourself "
                                    "or choose another directory")
 
     def begin(self) -> str:

@@ -2,9 +2,12 @@
 
 Every message names the file (or tensor) and says what to do; the CLI prints it as one
 ``error:`` line (through :func:`one_line`) and exits with :data:`EXIT_BAD_INPUT`. Anything else
-that escapes is a bug: one ``error:`` line and :data:`EXIT_INTERNAL`.
+that escapes is a bug: one ``error:`` line and :data:`EXIT_INTERNAL`. A message that names an
+option builds it with :func:`option`, so the Python API says ``overwrite=True`` where the CLI
+says ``--overwrite``.
 """
 
+import contextlib
 import reprlib
 
 __all__ = [
@@ -19,6 +22,8 @@ __all__ = [
     "LayoutError",
     "DestinationError",
     "OptionError",
+    "option",
+    "cli_spelling",
 ]
 
 EXIT_OK = 0
@@ -34,6 +39,30 @@ def one_line(text) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
+
+
+# How a message names an option: the Python API's keyword (``overwrite=True``) unless the CLI is the
+# front door (``--overwrite``). The CLI owns its process, so one flag set for the call is enough
+# (worker threads raise with the same spelling).
+_CLI = [False]
+
+
+def option(name: str, value: str = "") -> str:
+    """Option ``name`` (the API keyword, ``"weights_only"``) as the caller typed it: ``--weights-only
+    VALUE`` on the CLI, ``weights_only=VALUE`` in Python (``value`` defaults to a flag: ``=True``)."""
+    if _CLI[0]:
+        return f"--{name.replace('_', '-')}" + (f" {value}" if value else "")
+    return f"{name}={value or 'True'}"
+
+
+@contextlib.contextmanager
+def cli_spelling():
+    """Within: :func:`option` spells options as CLI flags (``hf-ckpt``'s ``main`` enters it)."""
+    before, _CLI[0] = _CLI[0], True
+    try:
+        yield
+    finally:
+        _CLI[0] = before
 
 
 _REPR = reprlib.Repr()

@@ -42,7 +42,7 @@ import time
 from collections import OrderedDict
 from typing import Dict, Optional, Sequence
 
-from .errors import CheckpointError, LayoutError, short_repr
+from .errors import CheckpointError, LayoutError, option, short_repr
 from .guards import check_inside, plan_paths, source_root
 from .assemble import FileRange
 from .formats.torch_files import TensorRef
@@ -86,14 +86,17 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
 
     from .sources.deepspeed import pipeline
 
+    from .formats.config import config_dir_of
+
+    config = config_dir_of(config)
     src = os.path.abspath(os.fspath(src))
     source = find_source(src, tag)
     if source is not ds and source is not pipeline:
         raise CheckpointError(f"{src}: a {source.NAME} checkpoint; a universal checkpoint is written from a "
                               "DeepSpeed ZeRO save or PipelineModule save (engine.save_checkpoint output) only")
     if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
-        raise CheckpointError(f"{config}: no config.json there; pass --config a directory holding the model's "
-                              "config.json")
+        raise CheckpointError(f"{config}: no config.json there; pass {option('config', 'PATH')} the model's "
+                              "config.json or the directory holding it")
     config_dir = config if config is not None else find_config_dir(source.config_candidates(src, tag))
     ctx = PlanContext(src, tag=tag, options={"tp_rules": list(tp_rules or [])}, config_dir=config_dir)
     # A PipelineModule save keeps the module's own names ("{layer}.{name}", what load_universal looks up);
@@ -217,7 +220,7 @@ def _tensor(t: TensorPlan, dtype: str) -> OutTensor:
 
 
 def write_universal_checkpoint(src, dst, *, tag: Optional[str] = None, config: Optional[str] = None,
-                               tp_rules: Optional[Sequence[str]] = None) -> dict:
+                               tp_rules: Optional[Sequence[str]] = None, quiet: bool = True) -> dict:
     """Write the DeepSpeed universal checkpoint of the ZeRO save ``src`` (a save dir, tag dir or
     Trainer ``checkpoint-N``) into the new directory ``dst`` (see the module doc for the layout).
 
@@ -225,7 +228,8 @@ def write_universal_checkpoint(src, dst, *, tag: Optional[str] = None, config: O
     checkpoint nor the HF config (``config``, default next to the checkpoint) describes. Resume with
     ``"checkpoint": {"load_universal": true}`` in the DeepSpeed config and
     ``engine.load_checkpoint(os.path.dirname(dst), tag=os.path.basename(dst))``, at any data- or
-    tensor-parallel size. Returns a report (``destination``, ``parameters``, ``states``, ``files``,
+    tensor-parallel size. ``config``: the model's config.json or its directory. Not ``quiet``: a
+    progress bar (one step per parameter) on stderr when it is a terminal. Returns a report (``destination``, ``parameters``, ``states``, ``files``,
     ``bytes``, ``seconds``, ``notes``). Raises a :class:`~.errors.CheckpointError` subclass for every
     refusal; nothing is written then.
     """
@@ -235,11 +239,11 @@ def write_universal_checkpoint(src, dst, *, tag: Optional[str] = None, config: O
     plan, states, model = plan_universal(src, tag=tag, config=config, tp_rules=tp_rules)
     check_states(plan, states)  # before anything is written
     notes = list(plan.notes)
-    strategy = export_strategy(dst, plan)
+    strategy = export_strategy(dst, plan, overwrite=None)  # never replaced: no --overwrite to name
     staging = strategy.begin()
     written = {"files": 0, "bytes": 0}
     try:
-        written = _write(plan, states, model, staging, notes)
+        written = _write(plan, states, model, staging, notes, quiet, f"writing {strategy.dst}")
         strategy.commit()
     except BaseException:
         strategy.abort()
@@ -306,14 +310,18 @@ def _plain_size(value, limit: int) -> int:
     return total
 
 
-def _write(plan: ExportPlan, states, model, staging, notes) -> Dict[str, int]:
+def _write(plan: ExportPlan, states, model, staging, notes, quiet=True, desc="writing") -> Dict[str, int]:
+    from .writer import progress_bar
+
     check_states(plan, states)
     zero = os.path.join(staging, ZERO_DIR)
     os.mkdir(zero)
     out = {"files": 0, "bytes": 0, "buffers": OrderedDict(), "steps": [], "shapes": OrderedDict(),
            "frozen": OrderedDict()}
-    for t in plan.tensors:
-        _write_param(plan, states, t, zero, out)
+    with progress_bar(len(plan.tensors), desc, quiet, unit="tensor") as bar:
+        for t in plan.tensors:
+            _write_param(plan, states, t, zero, out)
+            bar.update()
     with MappedFiles() as files:
         nbytes = _save(_optimizer_state(plan, states, out["steps"], files), os.path.join(zero, "optimizer_state.pt"))
         states_file = _model_states(plan, model, out["shapes"], out["frozen"], out["buffers"], files, notes)
@@ -390,7 +398,7 @@ def _model_states(plan, model, shapes, frozen, buffers, files, notes) -> dict:
 
 
 def verify_universal(dst, against, *, tag: Optional[str] = None, config: Optional[str] = None,
-                     tp_rules: Optional[Sequence[str]] = None):
+                     tp_rules: Optional[Sequence[str]] = None, quiet: bool = True):
     """Compare the universal checkpoint ``dst`` with the DeepSpeed save ``against``, state by state:
     every ``zero/<param>/<state>.pt`` tensor bitwise the source's state merged afresh by the plan,
     every ``step.pt`` the stored step, no parameter or state missing or extra. ``dst``'s files are
@@ -417,8 +425,11 @@ def verify_universal(dst, against, *, tag: Optional[str] = None, config: Optiona
         obj = load(path)
         return obj.get("param") if isinstance(obj, dict) else obj
 
-    with MappedFiles() as files:
+    from .writer import progress_bar
+
+    with MappedFiles() as files, progress_bar(len(plan.tensors), f"verifying {dst}", quiet, unit="tensor") as bar:
         for t in plan.tensors:
+            bar.update()
             if t.kind == "buffer" or t.name not in present:
                 continue
             folder = os.path.join(zero, t.name)

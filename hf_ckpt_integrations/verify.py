@@ -76,9 +76,12 @@ def loaded_weights(dst, *, adapter: bool = False) -> Tuple[Optional[str], List[s
     return chosen, problems
 
 
-def verify_plan(plan, dst) -> VerifyReport:
+def verify_plan(plan, dst, *, quiet: bool = True) -> VerifyReport:
     """Check that ``dst`` holds exactly the tensors of ``plan``, bitwise: the weights ``from_pretrained``
-    (or, for an adapter, peft) would load from it (:func:`loaded_weights`), and nothing else beside them."""
+    (or, for an adapter, peft) would load from it (:func:`loaded_weights`), and nothing else beside them.
+    Not ``quiet``: a byte progress bar on stderr when it is a terminal."""
+    from .writer import progress_bar
+
     report = VerifyReport()
     weights, problems = loaded_weights(dst, adapter=plan.adapter is not None)
     report.differences.extend(problems)
@@ -94,10 +97,12 @@ def verify_plan(plan, dst) -> VerifyReport:
     for name in sorted(set(have) - set(expected)):
         report.differences.append(f"{name}: in {dst} but not in the source")
     _check_source_crc(plan, report)
-    with MappedFiles() as files:
-        for name in [t for t in expected if t in have]:
+    names = [t for t in expected if t in have]
+    with MappedFiles() as files, progress_bar(sum(have[n][4] for n in names), f"verifying {dst}", quiet) as bar:
+        for name in names:
             t = expected[name]
             path, dtype, shape, off, nbytes = have[name]
+            bar.update(nbytes)
             report.checked += 1
             if tuple(shape) != tuple(t.shape):
                 report.differences.append(f"{name}: shape {list(shape)} != source {list(t.shape)}")

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 from .assemble import FileRange, iter_bytes
 from .commit import TMP_MARKER, SiblingSwap, disk_error
-from .errors import DestinationError, OptionError
+from .errors import DestinationError, OptionError, option
 from .formats import names
 from .formats.dtypes import SIZES as DTYPE_SIZES, from_user as dtype_from_name
 from .formats.names import CONFIG_FILES, MAX_SHARD_SIZE, SAFETENSORS_INDEX as INDEX_NAME
@@ -58,27 +58,33 @@ class OutTensor:
 
 
 def check_max_shard_size(max_shard_size) -> int:
-    """``max_shard_size`` ("5GB", "500MB" or a byte count; None: the installed transformers'
-    ``save_pretrained`` default, :func:`~.formats.names.default_max_shard_size`) in bytes;
-    :class:`~.errors.OptionError` otherwise."""
+    """``max_shard_size`` in bytes: what ``save_pretrained`` takes ("5GB", "500MB"; "5GiB", "500MiB" as
+    transformers' ``convert_file_size_to_int`` reads them), a byte count (``5000000`` or
+    ``"5000000"``), or None: the installed transformers' ``save_pretrained`` default
+    (:func:`~.formats.names.default_max_shard_size`). :class:`~.errors.OptionError` otherwise."""
     from huggingface_hub.serialization._base import parse_size_to_int
 
     if max_shard_size is None:
         max_shard_size = names.default_max_shard_size()
-    try:
-        size = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
-    except ValueError:
-        size = None
+    size = max_shard_size
+    if isinstance(size, str):
+        text = size.strip()
+        binary = {"KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}.get(text[-3:].upper())
+        try:
+            size = (int(text) if text.isdigit() else int(text[:-3]) * binary if binary
+                    else parse_size_to_int(text))
+        except ValueError:
+            size = None
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise OptionError(f"max shard size {str(max_shard_size)[:40]!r}: not a size; pass e.g. 5GB, 500MB or a "
-                          "number of bytes")
+        raise OptionError(f"{option('max_shard_size', str(max_shard_size)[:40])}: not a size; pass e.g. 5GB, "
+                          "500MB, 5GiB or a number of bytes (5000000)")
     return size
 
 
 def check_workers(workers) -> int:
     """``workers`` if it is a whole number of at least 1; :class:`~.errors.OptionError` otherwise."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise OptionError(f"--workers {workers!r}: pass 1 or more")
+        raise OptionError(f"{option('workers', repr(workers))}: pass 1 or more")
     return workers
 
 
@@ -90,7 +96,7 @@ def plan_inputs(plan: ExportPlan) -> List[str]:
                    os.path.dirname(adapter_config) if adapter_config else None} - {None, ""})
 
 
-def export_strategy(dst, *plans: ExportPlan, overwrite: bool = False) -> SiblingSwap:
+def export_strategy(dst, *plans: ExportPlan, overwrite: Optional[bool] = False) -> SiblingSwap:
     """The commit strategy of an export written from ``plans`` (a merge reads two: the adapter and
     its base), its destination guarded by the one check every output path goes through
     (:func:`~.guards.check_destination`, run in ``begin``): not the source, the directory of a file
@@ -203,10 +209,11 @@ def copy_adapter_config(path: str, directory, skipped: List[str]) -> List[str]:
     return [name]
 
 
-def progress_bar(total, desc, quiet):
+def progress_bar(total, desc, quiet, unit="B"):
+    """A tqdm bar on stderr, shown only on a terminal (a log or a pipe gets no bar) and not ``quiet``."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=quiet or not sys.stderr.isatty(),
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", disable=quiet or not sys.stderr.isatty(),
                 leave=False)
 
 

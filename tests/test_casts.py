@@ -135,12 +135,13 @@ def test_bf16_export_of_fp32_masters_never_imports_torch(tmp_path):
     code = ("import sys; from hf_ckpt_integrations.cli import main; rc = main(sys.argv[1:]); "
             "print('TORCH', 'torch' in sys.modules, 'numpy' in sys.modules); sys.exit(rc)")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, "-c", code, "export", str(src), str(out), "--dtype", "bf16", "--quiet"],
+    run = subprocess.run([sys.executable, "-c", code, "export", str(src), str(out), "--dtype", "bf16", "--quiet",
+                          "--weights-only"],
                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "TORCH False True" in run.stdout
     # The fp32 byte copy and inspect need neither (numpy is half of the CLI's start-up time).
-    for args in (["inspect", str(src)], ["export", str(src), str(tmp_path / "hf32"), "--quiet"]):
+    for args in (["inspect", str(src)], ["export", str(src), str(tmp_path / "hf32"), "--quiet", "--weights-only"]):
         run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=REPO,
                              timeout=300)
         assert run.returncode == 0 and "TORCH False False" in run.stdout, (args, run.stdout[-500:], run.stderr)
@@ -165,7 +166,8 @@ def test_bf16_export_with_a_config_plans_with_transformers(tmp_path):
             os.rename(src / "config.json", tmp_path / "away" / "config.json")
         outs.append(tmp_path / f"hf{i}")
         run = subprocess.run([sys.executable, "-m", "hf_ckpt_integrations", "export", str(src), str(outs[-1]),
-                              "--dtype", "bf16", "--quiet"], capture_output=True, text=True, cwd=REPO, timeout=300)
+                              "--dtype", "bf16", "--quiet"] + ([] if config else ["--weights-only"]),
+                             capture_output=True, text=True, cwd=REPO, timeout=300)
         assert run.returncode == 0, run.stderr
     assert (outs[0] / "model.safetensors").read_bytes() == (outs[1] / "model.safetensors").read_bytes()
     assert (outs[0] / "config.json").exists() and not (outs[1] / "config.json").exists()

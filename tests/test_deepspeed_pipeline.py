@@ -120,7 +120,7 @@ def test_without_a_config_the_native_names_are_exported(engine_ckpt, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(run / "ckpt", src)
     dst = tmp_path / "hf"
-    r = hf_ckpt("export", src, dst)
+    r = hf_ckpt("export", src, dst, "--weights-only")
     assert r.returncode == 0, r.stderr
     assert "native pipeline names" in r.stderr + r.stdout
     got = _exported(dst)
@@ -162,13 +162,13 @@ def test_a_user_name_map_renames_and_a_name_it_misses_is_refused(engine_ckpt, tm
     mine = tmp_path / "map.json"
     mine.write_text(json.dumps(builtin))
     dst = tmp_path / "hf"
-    r = hf_ckpt("export", run / "ckpt", dst, "--source-option", f"name_map={mine}")
+    r = hf_ckpt("export", run / "ckpt", dst, "--source-option", f"name_map={mine}", "--weights-only")
     assert r.returncode == 0, r.stderr
     got = _exported(dst)
     assert torch.equal(got["lm_head_of_my_fork.weight"], _reference(run)["embed_out.weight"])
     builtin["tensors"] = [e for e in builtin["tensors"] if e["layer"] != "norm.weight"]
     mine.write_text(json.dumps(builtin))
-    export_refused(run / "ckpt", tmp_path / "hf2", "--source-option", f"name_map={mine}",
+    export_refused(run / "ckpt", tmp_path / "hf2", "--weights-only", "--source-option", f"name_map={mine}",
                    match="parameter 5.norm.weight matches no entry")
 
 

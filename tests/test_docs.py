@@ -38,7 +38,10 @@ def test_there_are_samples_to_check():
                                       for ln in b.splitlines() if ln.strip().startswith("hf-ckpt ")])
 def test_cli_samples_parse(page, line):
     argv = shlex.split(line)[1:]
-    build_parser().parse_args(argv)  # SystemExit on an unknown flag or a missing argument
+    try:
+        build_parser().parse_args(argv)  # SystemExit(2) on an unknown flag or a missing argument
+    except SystemExit as e:
+        assert e.code == 0, f"{page}: `{line}` does not parse"  # --version, --help: exit 0
 
 
 @pytest.mark.parametrize("page,code", list(_blocks("python")))
@@ -49,6 +52,79 @@ def test_python_samples_compile_and_import_real_names(page, code):
         if isinstance(node, ast.ImportFrom) and node.module == "hf_ckpt_integrations":
             for alias in node.names:
                 assert hasattr(hf_ckpt_integrations, alias.name), f"{page}: {alias.name} is not exported"
+
+
+def _nav_pages(node):
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, dict):
+        for v in node.values():
+            yield from _nav_pages(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _nav_pages(v)
+
+
+def _nav():
+    import yaml
+
+    text = (REPO / "mkdocs.yml").read_text()
+    return yaml.safe_load(text[text.index("nav:"):])["nav"]
+
+
+def test_nav_is_the_newcomer_path_and_holds_every_page():
+    """Getting started -> Supported inputs -> Hooks -> CLI -> Reliability -> Internals, every page in
+    it once (a page outside the nav is found only by search), the new pages first."""
+    nav = _nav()
+    groups = [next(iter(item)) for item in nav if isinstance(item, dict)]
+    order = ["Getting started", "Supported inputs", "Hooks", "CLI and API", "Reliability", "Internals"]
+    assert [g for g in groups if g in order] == order, groups
+    pages = list(_nav_pages(nav))
+    assert len(pages) == len(set(pages)), "a page is in the nav twice"
+    on_disk = {str(p.relative_to(REPO / "docs")) for p in (REPO / "docs").rglob("*.md")}
+    assert on_disk - set(pages) <= {"gpu.md"}, on_disk - set(pages)  # gpu.md: its nav line is its author's
+    getting_started = list(_nav_pages(next(i for i in nav if "Getting started" in i)))
+    assert getting_started[:2] == ["install.md", "getting-started.md"]
+    assert "inputs.md" in list(_nav_pages(next(i for i in nav if "Supported inputs" in i)))
+    internals = list(_nav_pages(next(i for i in nav if "Internals" in i)))
+    seeds = sorted(p.stem[:3] for p in (REPO / "docs" / "seeds").glob("*.md"))
+    assert seeds == ["000", "001", "003", "004"] and all(f"seeds/{s}" in " ".join(internals) for s in seeds)
+
+
+def test_api_reference_documents_every_exported_name():
+    page = (REPO / "docs" / "reference" / "api.md").read_text()
+    documented = set(re.findall(r"^::: [\w.]+\.(\w+)$", page, re.M))
+    exported = set(hf_ckpt_integrations.__all__) - {"__version__"}
+    errors = {"CheckpointError", "UnsafeCheckpointError", "LayoutError", "DestinationError"}
+    assert "::: hf_ckpt_integrations.errors" in page  # the error classes, with their module
+    assert exported - errors <= documented, exported - errors - documented
+
+
+def test_package_sources_compile_without_warnings():
+    """An invalid escape in a docstring is a SyntaxWarning today and an error in a later Python."""
+    import warnings
+
+    for path in sorted((REPO / "hf_ckpt_integrations").rglob("*.py")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compile(path.read_text(), str(path), "exec")
+
+
+def test_supported_inputs_page_is_generated_from_the_table():
+    import importlib.util
+
+    from hf_ckpt_integrations.supported_inputs import markdown_table
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", REPO / "docs" / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+
+    class Page:
+        class file:
+            src_uri = "inputs.md"
+
+    out = hooks.on_page_markdown((REPO / "docs" / "inputs.md").read_text(), Page, None, None)
+    assert markdown_table("") in out and "(fsdp.md)" in out
 
 
 OFFLINE = re.compile(r"out/checkpoint-500|ds_save_dir")

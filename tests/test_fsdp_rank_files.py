@@ -231,7 +231,7 @@ def test_synthetic_layouts_export_bitwise(tmp_path, layout):
 
     mesh, tensors = _layouts()[layout]
     src = write_rank_files(tmp_path / "actor", tensors, mesh)
-    export_checkpoint(str(src), str(tmp_path / "out"))
+    export_checkpoint(str(src), str(tmp_path / "out"), weights_only=True)  # synthetic: no model config
     got = load_safetensors(tmp_path / "out" / "model.safetensors")
     assert_bitwise_equal(got, {n: full for n, (full, _) in tensors.items()})
 
@@ -240,7 +240,8 @@ def test_synthetic_diverged_replica_refused(tmp_path):
     mesh, tensors = _layouts()["hsdp"]
     src = write_rank_files(tmp_path / "actor", tensors, mesh,
                            local_of=lambda name, rank, t: t + 1 if (name, rank) == ("a", 3) else t)
-    export_refused(src, tmp_path / "out", match=("model_world_size_4_rank_3.pt", "its copy of a differs"))
+    export_refused(src, tmp_path / "out", "--weights-only", match=("model_world_size_4_rank_3.pt",
+                                                                   "its copy of a differs"))
 
 
 def test_synthetic_partial_refused(tmp_path):

@@ -45,7 +45,7 @@ def test_legacy_pytorch_model_bin_exports_bitwise(tmp_path):
     src.mkdir()
     sd = _state()
     _legacy(src / "pytorch_model.bin", sd)
-    r = hf_ckpt("export", src, tmp_path / "out")
+    r = hf_ckpt("export", src, tmp_path / "out", "--weights-only")
     assert r.returncode == 0, r.stderr
     assert_bitwise_equal(load_safetensors(tmp_path / "out" / "model.safetensors"), sd)
 

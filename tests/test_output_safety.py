@@ -63,7 +63,7 @@ def test_source_named_through_a_link_is_still_the_source(committed_zero2, overwr
     through a link to it."""
     real, link = committed_zero2 / "ckpt", committed_zero2.parent / "via-link"
     link.symlink_to(real)
-    err = _refused(link, real, overwrite=overwrite, watch=committed_zero2)
+    err = _refused(link, real, overwrite=overwrite, watch=committed_zero2, config=committed_zero2)
     assert _reason(err, real).startswith("is the source"), str(err)
 
 
@@ -86,7 +86,8 @@ def test_existing_destination_needs_overwrite(committed_zero2, tmp_path):
     dst.mkdir()
     (dst / "model.safetensors").write_bytes(b"earlier")
     err = _refused(committed_zero2 / "ckpt", dst, watch=tmp_path)
-    assert _reason(err, dst).startswith("already exists; choose a new directory or pass --overwrite"), str(err)
+    # raised through the API: the option as a keyword (the CLI says --overwrite)
+    assert _reason(err, dst).startswith("already exists; choose a new directory or pass overwrite=True"), str(err)
 
 
 def test_overwrite_refuses_a_file(committed_zero2, tmp_path):

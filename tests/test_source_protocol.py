@@ -102,7 +102,7 @@ def test_a_declared_option_reaches_the_source_from_the_api(toy, tmp_path):
     assert [t["name"] for t in info["tensors"]] == ["model.embed_tokens.weight"]
     inspect_checkpoint(src)
     assert seen["options"] == {"name_map": None}  # not given: the declared default
-    export_checkpoint(src, tmp_path / "out", source_options={"name_map": "w:v"})
+    export_checkpoint(src, tmp_path / "out", source_options={"name_map": "w:v"}, weights_only=True)
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "np") as f:

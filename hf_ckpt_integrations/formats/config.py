@@ -22,12 +22,28 @@ import os
 import warnings
 from typing import Iterable, List, Optional
 
+from ..errors import OptionError, option
 from ..outfiles import replace_file
 from . import dtypes as _dtypes
 from .names import CONFIG_FILES, CONFIG_NAME
 
-__all__ = ["write_config", "copy_config_files", "save_model_config", "record_dtype", "config_dtype_key",
+__all__ = ["config_dir_of", "write_config", "copy_config_files", "save_model_config", "record_dtype", "config_dtype_key",
            "transformers_major"]
+
+
+def config_dir_of(config) -> Optional[str]:
+    """``config`` (``--config``/``config=``: the model's ``config.json``, or the directory holding it)
+    as the directory the sources read; None stays None. A file by another name is refused
+    (:class:`~..errors.OptionError`): the tokenizer and generation files are looked for beside it."""
+    if config is None:
+        return None
+    config = os.fspath(config)
+    if os.path.isfile(config):
+        if os.path.basename(config) != CONFIG_NAME:
+            raise OptionError(f"{config}: {option('config', 'PATH')} takes a file named config.json or the "
+                              "directory holding the model's config.json (its tokenizer files are read beside it)")
+        return os.path.dirname(config) or "."
+    return config
 
 
 def transformers_major() -> Optional[int]:

@@ -31,7 +31,7 @@ STORAGE_CLASSES = {
     "ByteStorage": "U8", "BoolStorage": "BOOL", "UntypedStorage": "U8",
 }
 # What users pass (``--dtype``, ``dtype=``): the short name first (what :func:`to_user` gives back).
-USER_NAMES = {"fp32": "F32", "float32": "F32", "bf16": "BF16", "bfloat16": "BF16", "fp16": "F16",
+USER_NAMES = {"fp32": "F32", "float32": "F32", "float": "F32", "bf16": "BF16", "bfloat16": "BF16", "fp16": "F16",
               "float16": "F16", "half": "F16"}
 # The value ``config.json`` records (``dtype`` / ``torch_dtype``), as ``save_pretrained`` writes it.
 CONFIG_NAMES = {d: TORCH_NAMES[d] for d in ("F64", "F32", "F16", "BF16")}
@@ -59,7 +59,8 @@ def from_user(name: Optional[str]) -> Optional[str]:
     try:
         return USER_NAMES[name.lower()]
     except (KeyError, AttributeError):
-        raise OptionError(f"unknown dtype {str(name)[:40]!r}; use one of fp32, bf16, fp16") from None
+        raise OptionError(f"unknown dtype {str(name)[:40]!r}; use one of fp32, bf16, fp16 (or torch's float32, "
+                          "bfloat16, float16, half)") from None
 
 
 def to_user(dtype: Optional[str]) -> Optional[str]:

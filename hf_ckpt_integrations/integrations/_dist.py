@@ -57,7 +57,7 @@ def write_distributed(plan: ExportPlan, dst, *, max_shard_size=MAX_SHARD_SIZE,
     module doc).
 
     Called by every rank with the same plan (names, sizes, order; output dtypes decided): an offline
-    source's (read through ``files``), or a live source's (:class:`~..plan.LivePiece`\ s, whose
+    source's (read through ``files``), or a live source's (:class:`~..plan.LivePiece` objects, whose
     reads the writer calls with each tensor's writing rank). With ``collective`` (reading a
     tensor is a collective) ranks that do not write a shard ``drain()`` its tensors. Existing
     weight files in ``dst`` are replaced as a set only after every rank has written its shards

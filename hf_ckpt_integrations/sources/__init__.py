@@ -7,6 +7,7 @@ runs the passes every plan gets; :func:`build_plan` is the one entry point.
 import os
 
 from ..errors import CheckpointError
+from ..supported_inputs import SRC_HINT
 from ..guards import bad_metadata_as_input, check_tag_name, config_problem
 
 __all__ = ["build_plan"]
@@ -36,11 +37,9 @@ def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None, source_
         raise CheckpointError("the source is an empty path (an unset shell variable?); pass the checkpoint "
                               "directory")
     if not os.path.exists(src):
-        raise CheckpointError(f"{src}: does not exist; pass a DeepSpeed save dir, a tag dir or a "
-                              "Trainer checkpoint-N dir")
+        raise CheckpointError(f"{src}: does not exist; {SRC_HINT}")
     if not os.path.isdir(src):
-        raise CheckpointError(f"{src}: is a file; pass the directory that holds it (a DeepSpeed save dir, "
-                              "tag dir or Trainer checkpoint-N dir)")
+        raise CheckpointError(f"{src}: is a file; pass the directory that holds it ({SRC_HINT.removeprefix('pass ')})")
     if tag is not None:
         check_tag_name(tag, "--tag")
     from .registry import check_options, find_source, plan_with

@@ -20,10 +20,12 @@ source").
 """
 
 import os
+import re
 from typing import Any, Dict, Mapping, Optional
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, option
 from ..guards import check_inside, plan_paths, source_root
+from ..supported_inputs import SRC_HINT
 from ..formats.names import CONFIG_NAME
 from ..plan import ExportPlan
 from . import dcp, deepspeed, fsdp_rank_files, hf_dir, hub_layout, peft, universal
@@ -71,9 +73,23 @@ def find_source(path: str, tag: Optional[str] = None):
     for source in SOURCES:
         if _claims(source, path, tag):
             return source
+    newest = newest_trainer_checkpoint(path)
+    if newest is not None:  # a Trainer output_dir: it records no "latest", so the user picks one
+        raise CheckpointError(f"{path}: a Trainer output_dir, not a checkpoint; pass one of its checkpoint-N "
+                              f"directories, the newest is {newest}")
     looked = "; ".join(s.LOOKS_FOR for s in SOURCES)
-    raise CheckpointError(f"{path}: no checkpoint found there (looked for {looked}); pass a DeepSpeed save dir, "
-                          "a tag dir, a Trainer checkpoint-N dir or an HF directory")
+    raise CheckpointError(f"{path}: no checkpoint found there (looked for {looked}); {SRC_HINT}")
+
+
+def newest_trainer_checkpoint(path: str) -> Optional[str]:
+    """``path/checkpoint-N`` with the largest N when ``path`` holds such directories (a Trainer
+    ``output_dir``, as transformers' ``get_last_checkpoint`` picks it), else None."""
+    try:
+        steps = [(int(n.split("-", 1)[1]), n) for n in os.listdir(path)
+                 if re.fullmatch(r"checkpoint-\d+", n) and os.path.isdir(os.path.join(path, n))]
+    except OSError:
+        return None
+    return os.path.join(path, max(steps)[1]) if steps else None
 
 
 def engine_checkpoint(path: str) -> Optional[str]:
@@ -119,8 +135,8 @@ def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[s
     if config is not None and peft.is_adapter_config_dir(config):
         adapter_config, config = config, None  # --config names a PEFT adapter's directory
     if config is not None and not os.path.isfile(os.path.join(config, CONFIG_NAME)):
-        raise CheckpointError(f"{config}: no config.json there; pass --config a directory holding the "
-                              "model's config.json (e.g. from model.config.save_pretrained(dir))")
+        raise CheckpointError(f"{config}: no config.json there; pass {option('config', 'PATH')} the model's "
+                              "config.json or the directory holding it (e.g. from model.config.save_pretrained(dir))")
     config_dir = config if config is not None else find_config_dir(source.config_candidates(path, tag))
     ctx = PlanContext(path, tag=tag, dtype=dtype, options=ctx_options, config_dir=config_dir)
     plan = source.plan(ctx)
