@@ -45,7 +45,7 @@ from typing import Dict, Optional, Sequence
 from .errors import CheckpointError, LayoutError, short_repr
 from .assemble import FileRange
 from .formats.torch_files import TensorRef
-from .formats.torch_save_out import OutTensor, TorchSize, archive_name, save as save_torch_file
+from .formats.torch_save_out import OutTensor, SourceFiles, TorchSize, archive_name, save as save_torch_file
 from .mapped_files import MappedFiles
 from .outfiles import open_new
 from .plan import ExportPlan, TensorPlan, check_plan
@@ -187,12 +187,13 @@ class _NotPlain(Exception):
     pass
 
 
-def _save(obj, path, syncer) -> int:
+def _save(obj, path, out) -> int:
     """``obj`` written as ``torch.save(obj, path)`` writes it (``torch.load`` reads it; torch is not
-    imported); the bytes written. ``syncer`` (:class:`_Syncer`) fsyncs the file."""
+    imported), source ranges read through ``out["sources"]``; the bytes written. ``out["syncer"]``
+    (:class:`_Syncer`) fsyncs the file."""
     with open_new(path) as fh:
-        n = save_torch_file(obj, fh, archive=archive_name(path))
-    syncer.add(path)
+        n = save_torch_file(obj, fh, archive=archive_name(path), files=out["sources"])
+    out["syncer"].add(path)
     return n
 
 
@@ -296,19 +297,20 @@ def _write(plan: ExportPlan, states, model, staging, notes) -> Dict[str, int]:
     zero = os.path.join(staging, ZERO_DIR)
     os.mkdir(zero)
     out = {"files": 0, "bytes": 0, "buffers": OrderedDict(), "steps": [], "shapes": OrderedDict(),
-           "frozen": OrderedDict(), "syncer": _Syncer()}
+           "frozen": OrderedDict(), "syncer": _Syncer(), "sources": SourceFiles()}
     try:
         for t in plan.tensors:
             _write_param(plan, states, t, zero, out)
         with MappedFiles() as files:
             nbytes = _save(_optimizer_state(plan, states, out["steps"], files),
-                           os.path.join(zero, "optimizer_state.pt"), out["syncer"])
+                           os.path.join(zero, "optimizer_state.pt"), out)
             states_file = _model_states(plan, model, out["shapes"], out["frozen"], out["buffers"], files, notes)
         for name in MODEL_STATES:
-            nbytes += _save(states_file, os.path.join(staging, name), out["syncer"])
+            nbytes += _save(states_file, os.path.join(staging, name), out)
         out["syncer"].wait()
     finally:
         out["syncer"].close()  # a refusal half-way: the pending fsyncs end before the staging goes
+        out["sources"].close()
     return {"files": out["files"] + 1 + len(MODEL_STATES), "bytes": out["bytes"] + nbytes}
 
 
@@ -319,7 +321,7 @@ def _write_param(plan, states, t: TensorPlan, zero, out) -> None:
     folder = os.path.join(zero, t.name)
     os.mkdir(folder)
     trained = states.has_states(t)
-    out["bytes"] += _save(_param_dict(t, _tensor(t, "F32")), os.path.join(folder, "fp32.pt"), out["syncer"])
+    out["bytes"] += _save(_param_dict(t, _tensor(t, "F32")), os.path.join(folder, "fp32.pt"), out)
     out["files"] += 1
     if not trained:
         out["frozen"][t.name] = TorchSize(t.shape)
@@ -329,7 +331,7 @@ def _write_param(plan, states, t: TensorPlan, zero, out) -> None:
         # every state of every copy is checked against the first copy, not only the weights
         sp = states.state_plan(t, name)
         out["bytes"] += _save(_param_dict(t, _tensor(sp, sp.src_dtype)), os.path.join(folder, f"{name}.pt"),
-                              out["syncer"])
+                              out)
         out["files"] += 1
     for name in states.scalar_names:
         try:
@@ -338,7 +340,7 @@ def _write_param(plan, states, t: TensorPlan, zero, out) -> None:
             raise CheckpointError(f"{plan.source}: {e}; not an optimizer state this writer knows") from None
         if name == "step":
             out["steps"].append(value)
-        out["bytes"] += _save(value, os.path.join(folder, f"{name}.pt"), out["syncer"])
+        out["bytes"] += _save(value, os.path.join(folder, f"{name}.pt"), out)
         out["files"] += 1
 
 
