@@ -60,10 +60,11 @@ def llama_shapes(layers=80, hidden=64, vocab=32000, heads=8, kv_heads=1, interme
     return shapes
 
 
-def deepseek_v3_shapes(layers=61, dense=3, experts=256, hidden=16, moe_intermediate=8, vocab=1024):
+def deepseek_v3_shapes(layers=61, dense=3, experts=256, hidden=32, moe_intermediate=32, vocab=1024):
     """Parameter name -> shape of a DeepSeek-V3-like MoE (``DeepseekV3ForCausalLM``'s names: MLA
     attention, ``dense`` dense layers, then ``experts`` routed experts + one shared expert per layer):
-    61 layers and 256 experts give V3's 45,395 tensors (671B parameters at V3's sizes); tiny sizes here."""
+    61 layers and 256 experts give V3's 45,395 tensors (671B parameters at V3's sizes); tiny sizes here,
+    but an expert matrix (32 x 32) still reaches all of 1,024 ZeRO-3 ranks, as a real one does."""
     h, m = hidden, moe_intermediate
     shapes = OrderedDict([("model.embed_tokens.weight", (vocab, h))])
     for i in range(layers):
