@@ -118,13 +118,13 @@ def tool_cmd(layout, src, out, parallel=0, shard="5GB"):
 
 
 def measure(layout: str, gb: float, scratch: Path, rounds: int, parallel: int, peer_max_gb: float, ranks: int,
-            caches=("cold", "warm")):
+            caches=("cold", "warm"), shard="5GB"):
     info = generate(layout, gb, scratch, ranks)
     src = Path(info["src"])
     out, copy = scratch / "out", scratch / "copy"
     rm(out)
     rm(copy)
-    first = run_child(tool_cmd(layout, src, out), scratch)  # derives and caches the Hub layout
+    first = run_child(tool_cmd(layout, src, out, 0, shard), scratch)  # derives and caches the Hub layout
     out_bytes = tree_bytes(out)
     rm(out)
     copy_src = out if layout == "zero3" else src  # the bytes the export writes
@@ -147,7 +147,7 @@ def measure(layout: str, gb: float, scratch: Path, rounds: int, parallel: int, p
                     read_all(src)
 
             prep()
-            t, r = run_child(tool_cmd(layout, src, out), scratch)
+            t, r = run_child(tool_cmd(layout, src, out, 0, shard), scratch)
             rows["export"].append({"cache": cache, "s": t, "rss": r})
             # the copy: of the output (ZeRO-3) right now, else of the source, with the output gone
             if copy_src != out:
@@ -159,7 +159,7 @@ def measure(layout: str, gb: float, scratch: Path, rounds: int, parallel: int, p
             rm(out)
             if parallel:
                 prep()
-                t, r = run_child(tool_cmd(layout, src, out, parallel), scratch)
+                t, r = run_child(tool_cmd(layout, src, out, parallel, shard), scratch)
                 rows[f"export x{parallel}"].append({"cache": cache, "s": t, "rss": r})
                 rm(out)
             if peer:
@@ -194,6 +194,13 @@ def summarize(res: dict) -> dict:
     return s
 
 
+def tool_name(layout: str, tool: str) -> str:
+    if tool.startswith("export"):
+        what = "hf-ckpt universal" if layout == "universal" else "hf-ckpt export fp32"
+        return what + (f", torchrun ×{tool.split('x')[-1]}" if " x" in tool else "")
+    return tool
+
+
 def render(results: list, meta: dict) -> str:
     L = [START, "", f"Measured by `make bench-scale` (`benchmarks/disk_bench.py`) on {meta['date']}; "
          f"{meta['machine']}. Each cell is the median of {meta['rounds']} rounds; in every round the export and "
@@ -209,7 +216,8 @@ def render(results: list, meta: dict) -> str:
                 continue
             c, w = s.get((tool, "cold")), s.get((tool, "warm"))
             warm = f"{w['s']:.1f} | {w['vs_cp']:.2f}" if w else "– | –"
-            L.append(f"| {res['layout']} | {res['src_bytes'] / 1e9:.1f} GB | {res['out_bytes'] / 1e9:.1f} GB | {tool} "
+            shards = f", {res['shard']} shards" if res.get("shard", "5GB") != "5GB" else ""
+            L.append(f"| {res['layout']} | {res['src_bytes'] / 1e9:.1f} GB | {res['out_bytes'] / 1e9:.1f} GB | {tool_name(res['layout'], tool)}{shards} "
                      f"| {c['s']:.1f} | {c['vs_cp']:.2f} | {c['gbps']:.2f} | {warm} "
                      f"| {max(c['rss'], (w or c)['rss']) / 1e6:,.0f} MB |")
         cc, cw = s[("cp", "cold")], s.get(("cp", "warm"))
@@ -237,12 +245,14 @@ def plot(results: list) -> None:
         s = summarize(res)
         for tool in res["rows"]:
             c = s.get((tool, "cold"))
-            label = f"{res['layout']}: {'cp (same bytes)' if tool == 'cp' else tool}"
+            if res.get("shard", "5GB") != "5GB":
+                continue  # the rank-parallel comparison's extra configuration: in the table only
+            label = f"{res['layout']}: {'cp (same bytes)' if tool == 'cp' else tool_name(res['layout'], tool)}"
             series.setdefault(label, []).append((res["src_bytes"] / 1e9, c["gbps"] if tool != "cp" else
                                                  res["copy_bytes"] / 1e9 / c["s"], c["rss"] / 1e6))
     for label, pts in sorted(series.items()):
         pts.sort()
-        style = ":" if "cp" in label else "o-"
+        style = "x:" if "cp" in label else "o-"
         ax1.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
         if "cp" not in label:
             ax2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
@@ -279,6 +289,9 @@ def main(argv=None):
     ap.add_argument("--warm-max-gb", type=float, default=5,
                     help="warm runs up to this size (beyond, the page cache cannot hold the source and output)")
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
+    ap.add_argument("--shard", default="5GB", help="--max-shard-size of every export (the rank-parallel one "
+                    "splits the shards between its ranks: a 5 GB checkpoint needs 1GB shards to give 2 ranks work)")
+    ap.add_argument("--tag", default="", help="a suffix of the results' keys (a second configuration of a size)")
     ap.add_argument("--doc", action="store_true", help="render docs/performance.md's block and docs/disk.png")
     ap.add_argument("--notes", default="")
     args = ap.parse_args(argv)
@@ -292,8 +305,10 @@ def main(argv=None):
                 print(f"measuring {layout} {gb:g} GB", file=sys.stderr, flush=True)
                 par = args.parallel if layout != "universal" and gb <= args.parallel_max_gb else 0
                 caches = ("cold", "warm") if gb <= args.warm_max_gb else ("cold",)
-                res = measure(layout, gb, args.scratch, args.rounds, par, args.peer_max_gb, args.ranks, caches)
-                saved["results"][f"{layout}-{gb:g}"] = res
+                res = measure(layout, gb, args.scratch, args.rounds, par, args.peer_max_gb, args.ranks, caches,
+                              args.shard)
+                res["shard"] = args.shard
+                saved["results"][f"{layout}-{gb:g}{args.tag}"] = res
                 print(json.dumps({f"{k[0]} {k[1]}": v for k, v in summarize(res).items()}), file=sys.stderr,
                       flush=True)
                 saved["meta"] = {"date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
