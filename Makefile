@@ -58,7 +58,7 @@ BENCH_SCRATCH ?= .bench-cache/disk-scratch
 bench-scale: setup
 	.venv/bin/python benchmarks/disk_bench.py --scratch $(BENCH_SCRATCH) --sizes 1,5,20 --rounds 3 --parallel 2
 	.venv/bin/python benchmarks/disk_bench.py --scratch $(BENCH_SCRATCH) --sizes 5 --layouts dcp --rounds 3 \
-		--parallel 2 --shard 1GB --tag -par --peer-max-gb 0 --doc
+		--parallel 2 --shard 1GB --tag=-par --peer-max-gb 0 --doc
 	.venv/bin/python benchmarks/scale_bench.py --moe --rounds 1
 
 fuzz: setup
