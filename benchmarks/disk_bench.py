@@ -244,17 +244,17 @@ def plot(results: list) -> None:
     for res in results:
         s = summarize(res)
         for tool in res["rows"]:
-            c = s.get((tool, "cold"))
             if res.get("shard", "5GB") != "5GB":
                 continue  # the rank-parallel comparison's extra configuration: in the table only
-            label = f"{res['layout']}: {'cp (same bytes)' if tool == 'cp' else tool_name(res['layout'], tool)}"
-            series.setdefault(label, []).append((res["src_bytes"] / 1e9, c["gbps"] if tool != "cp" else
-                                                 res["copy_bytes"] / 1e9 / c["s"], c["rss"] / 1e6))
-    for label, pts in sorted(series.items()):
+            c = s.get((tool, "cold"))
+            is_cp = tool == "cp"
+            label = f"{res['layout']}: {'cp (same bytes)' if is_cp else tool_name(res['layout'], tool)}"
+            series.setdefault((is_cp, label), []).append(
+                (res["src_bytes"] / 1e9, res["copy_bytes"] / 1e9 / c["s"] if is_cp else c["gbps"], c["rss"] / 1e6))
+    for (is_cp, label), pts in sorted(series.items(), key=lambda kv: kv[0][1]):
         pts.sort()
-        style = "x:" if "cp" in label else "o-"
-        ax1.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
-        if "cp" not in label:
+        ax1.plot([p[0] for p in pts], [p[1] for p in pts], "x:" if is_cp else "o-", label=label)
+        if not is_cp:
             ax2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
     ax1.set_title("cold-cache write speed, GB/s")
     ax2.set_title("peak RSS per process, MB")
