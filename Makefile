@@ -3,7 +3,7 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test test-fast test-main test-cai docs notebooks bench fuzz mutants clean gpu-check
+.PHONY: help setup demo test test-fast test-main test-cai docs notebooks bench bench-scale fuzz mutants clean gpu-check
 
 help:
 	@echo "make demo   - train a tiny Llama under DeepSpeed ZeRO-3, export, verify, reload"
@@ -18,6 +18,9 @@ help:
 	@echo "              save_pretrained under ZeRO-2/3, and plan cost against the rank count on"
 	@echo "              synthetic 8..1,024-rank saves, and FSDP2/DCP export against dcp_to_torch_save,"
 	@echo "              accelerate merge-weights and consolidate_safetensors_files (not part of make test)"
+	@echo "make bench-scale - export 1, 5 and 20 GB synthetic saves (ZeRO-3, DCP, per-rank files, universal)"
+	@echo "              against cp of the same bytes, cold and warm, and the 1,024-rank MoE plan simulation;"
+	@echo "              needs root (drops the page cache), ~45 GB free under BENCH_SCRATCH and about an hour"
 	@echo "make fuzz   - the hostile-input fuzz tests with many more cases than make test runs"
 	@echo "make gpu-check - every save-time path on real GPUs with NCCL (needs CUDA; not part of make test)"
 
@@ -55,6 +58,15 @@ bench: setup
 	.venv/bin/python benchmarks/save_bench.py
 	.venv/bin/python benchmarks/scale_bench.py
 	.venv/bin/python benchmarks/dcp_bench.py
+
+# Not part of make test or make bench: it writes ~45 GB at its peak. BENCH_SCRATCH must be on the
+# disk to measure (not tmpfs); what it generates there is removed after each size.
+BENCH_SCRATCH ?= .bench-cache/disk-scratch
+bench-scale: setup
+	.venv/bin/python benchmarks/disk_bench.py --scratch $(BENCH_SCRATCH) --sizes 1,5,20 --rounds 3 --parallel 2
+	.venv/bin/python benchmarks/disk_bench.py --scratch $(BENCH_SCRATCH) --sizes 5 --layouts dcp --rounds 3 \
+		--parallel 2 --shard 1GB --tag=-par --peer-max-gb 0 --doc
+	.venv/bin/python benchmarks/scale_bench.py --moe --rounds 1
 
 fuzz: setup
 	HFCKPT_FUZZ_EXAMPLES=$${HFCKPT_FUZZ_EXAMPLES:-5000} .venv/bin/python -m pytest tests/test_fuzz.py $(wildcard tests/test_fuzz_*.py) -q

@@ -70,6 +70,119 @@ WHAT_THE_CURVE_SHOWED = """### What the curve showed, and what was fixed
 - Memory is the plan itself (~250 bytes per piece) and the pickles of one file at a time."""
 
 
+EXPORT_PLAN_CHILD = ("import json, resource, sys, time\n"
+                     "t = time.perf_counter()\n"
+                     "from hf_ckpt_integrations.sources import build_plan\n"
+                     "from hf_ckpt_integrations.mapped_files import MappedFiles\n"
+                     "from hf_ckpt_integrations.writer import check_max_shard_size, plan_tensors, split_shards\n"
+                     "plan = build_plan(sys.argv[1])\n"
+                     "with MappedFiles() as files:\n"
+                     "    tensors = plan_tensors(plan, None, files, ranges=True)\n"
+                     "    split = split_shards(tensors, check_max_shard_size(None))\n"
+                     "print(json.dumps({'s': time.perf_counter() - t,\n"
+                     "                  'rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,\n"
+                     "                  'shards': len(split.filename_to_tensors)}))\n")
+
+# DeepSeek-V3's structure: 61 layers (3 dense), 256 routed experts + 1 shared per MoE layer: 45,395
+# tensors. What a plan costs grows with tensors x ranks (ZeRO-3: one piece per rank holding part of
+# a tensor), never with the bytes, so the tensors are tiny and the rank count is what is real.
+MOE_RANKS = "8,16,32,64"
+
+
+def moe_pieces(dp: int) -> int:
+    """The ZeRO-3 plan's piece count at ``dp`` ranks, from the partition arithmetic alone: a tensor of
+    ``n`` elements is ``ceil(n / dp)`` per rank, held by the ranks its elements reach."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import math
+
+    from synth_ckpt import deepseek_v3_shapes
+
+    total = 0
+    for shape in deepseek_v3_shapes().values():
+        n = math.prod(shape)
+        c = -(-n // dp)
+        total += -(-n // c)
+    return total
+
+
+def moe_generate(dp: int) -> Path:
+    out = cache_dir() / f"moe-z3-dp{dp}"
+    if (out / "DONE").exists():
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"generating the MoE ZeRO-3 x {dp} ranks (once)", file=sys.stderr, flush=True)
+    text = subprocess.run([PY, str(REPO / "benchmarks" / "synth_ckpt.py"), str(out), "--stage", "3", "--dp", str(dp),
+                           "--moe", "--layers", "61"], env=ENV, check=True, capture_output=True, text=True).stdout
+    (out / "DONE").write_text(text.strip().splitlines()[-1])
+    return out
+
+
+def moe_measure(src: Path, rounds: int) -> dict:
+    rows = {"plan": [], "inspect": [], "export-plan": [], "universal --dry-run": []}
+    for _ in range(rounds):
+        _, _, text = run_child([PY, "-c", PLAN_CHILD, str(src)])
+        p = json.loads(text.strip().splitlines()[-1])
+        rows["plan"].append((p["plan_s"], p["rss"]))
+        rows["inspect"].append(run_child([PY, "-m", "hf_ckpt_integrations", "inspect", str(src), "--json"])[:2])
+        _, _, text = run_child([PY, "-c", EXPORT_PLAN_CHILD, str(src)])
+        e = json.loads(text.strip().splitlines()[-1])
+        rows["export-plan"].append((e["s"], e["rss"]))
+        out = CACHE / "moe-universal-out"
+        rows["universal --dry-run"].append(run_child([PY, "-m", "hf_ckpt_integrations", "universal", str(src),
+                                                      str(out), "--dry-run"])[:2])
+    med = statistics.median
+    return {"pieces": p["pieces"], "tensors": p["tensors"], "torch": p["torch"],
+            **{k: {"s": med(x for x, _ in v), "rss": max(r for _, r in v)} for k, v in rows.items()}}
+
+
+def moe_render(results: dict, meta: dict) -> str:
+    ks = sorted(results, key=int)
+    lines = ["| ranks | pieces | " + " | ".join(f"{k} s / RSS" for k in results[ks[0]] if isinstance(results[ks[0]][k], dict))
+             + " |", "|---" * 6 + "|"]
+    for k in ks:
+        r = results[k]
+        cells = [f"{v['s']:.1f} s / {v['rss'] / 1e6:,.0f} MB" for v in r.values() if isinstance(v, dict)]
+        lines.append(f"| {int(k):,} | {r['pieces']:,} | " + " | ".join(cells) + " |")
+    # Linear in pieces (the rank count's only effect): a least-squares line through the measured points.
+    big = moe_pieces(1024)
+    fit = []
+    for tool in ("plan", "inspect", "export-plan", "universal --dry-run"):
+        xs = [results[k]["pieces"] for k in ks]
+        for what in ("s", "rss"):
+            ys = [results[k][tool][what] for k in ks]
+            mx, my = statistics.mean(xs), statistics.mean(ys)
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+            fit.append((tool, what, slope, my - slope * mx))
+    est = {}
+    for tool, what, slope, icpt in fit:
+        est.setdefault(tool, {})[what] = slope * big + icpt
+        est[tool][what + "_per_piece"] = slope
+    lines += ["", f"Extrapolated to **1,024 ranks** ({big:,} pieces; linear in pieces, fitted to the rows above):", ""]
+    for tool, v in est.items():
+        lines.append(f"- {tool}: ~{v['s'] / 60:,.0f} min, ~{v['rss'] / 1e9:,.1f} GB peak RSS "
+                     f"({v['s_per_piece'] * 1e6:.0f} µs and {v['rss_per_piece']:.0f} bytes per piece)")
+    return "\n".join(lines)
+
+
+def moe_main(args) -> int:
+    results = {}
+    saved = CACHE / "moe-results.json"
+    if args.doc_only:
+        data = json.loads(saved.read_text())
+        print(moe_render(data["results"], data["meta"]))
+        return 0
+    for dp in map(int, args.ranks.split(",")):
+        src = moe_generate(dp)
+        print(f"measuring the MoE ZeRO-3 x {dp}", file=sys.stderr, flush=True)
+        results[str(dp)] = moe_measure(src, args.rounds)
+        print(json.dumps(results[str(dp)]), file=sys.stderr, flush=True)
+        meta = {"date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"), "rounds": args.rounds}
+        CACHE.mkdir(exist_ok=True)
+        saved.write_text(json.dumps({"results": results, "meta": meta}, indent=1))
+    print(moe_render(results, meta))
+    return 0
+
+
 def cache_dir() -> Path:
     h = hashlib.sha256((REPO / "benchmarks" / "synth_ckpt.py").read_bytes()).hexdigest()[:12]
     return CACHE / f"scale-{h}"
@@ -205,7 +318,13 @@ def main(argv=None):
     ap.add_argument("--no-doc", action="store_true")
     ap.add_argument("--doc-only", action="store_true", help="re-render from the last run's results")
     ap.add_argument("--notes", default="", help="a line appended under the table")
+    ap.add_argument("--moe", action="store_true", help="the DeepSeek-V3-like MoE ZeRO-3 plan simulation instead "
+                    f"(--ranks default {MOE_RANKS}; prints a table and the 1,024-rank extrapolation)")
     args = ap.parse_args(argv)
+    if args.moe:
+        if args.ranks == "8,64,256,1024":
+            args.ranks = MOE_RANKS
+        return moe_main(args)
     sys.path.insert(0, str(REPO / "benchmarks"))
     from export_bench import machine
 

@@ -36,7 +36,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-__all__ = ["llama_shapes", "make_checkpoint"]
+__all__ = ["llama_shapes", "deepseek_v3_shapes", "make_checkpoint"]
 
 TAG = "global_step1"
 
@@ -57,6 +57,30 @@ def llama_shapes(layers=80, hidden=64, vocab=32000, heads=8, kv_heads=1, interme
                        (p + "input_layernorm.weight", (hidden,)), (p + "post_attention_layernorm.weight", (hidden,))])
     shapes["model.norm.weight"] = (hidden,)
     shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def deepseek_v3_shapes(layers=61, dense=3, experts=256, hidden=32, moe_intermediate=32, vocab=1024):
+    """Parameter name -> shape of a DeepSeek-V3-like MoE (``DeepseekV3ForCausalLM``'s names: MLA
+    attention, ``dense`` dense layers, then ``experts`` routed experts + one shared expert per layer):
+    61 layers and 256 experts give V3's 45,395 tensors (671B parameters at V3's sizes); tiny sizes here,
+    but an expert matrix (32 x 32) still reaches all of 1,024 ZeRO-3 ranks, as a real one does."""
+    h, m = hidden, moe_intermediate
+    shapes = OrderedDict([("model.embed_tokens.weight", (vocab, h))])
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update([(p + "self_attn.q_a_proj.weight", (h, h)), (p + "self_attn.q_a_layernorm.weight", (h,)),
+                       (p + "self_attn.q_b_proj.weight", (h, h)), (p + "self_attn.kv_a_proj_with_mqa.weight", (h, h)),
+                       (p + "self_attn.kv_a_layernorm.weight", (h,)), (p + "self_attn.kv_b_proj.weight", (h, h)),
+                       (p + "self_attn.o_proj.weight", (h, h))])
+        mlps = [p + "mlp."] if i < dense else [p + f"mlp.experts.{e}." for e in range(experts)] + [p + "mlp.shared_experts."]
+        if i >= dense:
+            shapes.update([(p + "mlp.gate.weight", (experts, h)), (p + "mlp.gate.e_score_correction_bias", (experts,))])
+        for q in mlps:
+            shapes.update([(q + "gate_proj.weight", (m, h)), (q + "up_proj.weight", (m, h)), (q + "down_proj.weight", (h, m))])
+        shapes.update([(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))])
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (vocab, h)
     return shapes
 
 
@@ -89,12 +113,17 @@ def _adam(part):
 
 
 def make_checkpoint(dst, *, stage: int, dp: int, layers=80, hidden=64, vocab=32000, heads=8, kv_heads=1,
-                    intermediate=None, seed=0, reference=False) -> dict:
+                    intermediate=None, seed=0, reference=False, shapes=None, link_model_states=False) -> dict:
     """Write a ZeRO-``stage`` save of ``dp`` data-parallel ranks under ``dst`` (``latest``, the tag dir,
-    ``config.json``); return a summary (tensors, parameters, files, bytes, seconds)."""
+    ``config.json``); return a summary (tensors, parameters, files, bytes, seconds).
+
+    ``shapes``: another model's ``{name: shape}`` (then no ``config.json``: the export stays
+    torch-free). ``link_model_states``: ZeRO-3's per-rank model-states files, identical on every
+    rank, written once and hard-linked (a 45K-tensor pickle x 1,024 ranks would take many minutes)."""
     started = time.perf_counter()
     LossScaler, ZeroStageEnum, fragment_address = _ds_types()
-    shapes = llama_shapes(layers, hidden, vocab, heads, kv_heads, intermediate)
+    custom = shapes is not None
+    shapes = shapes or llama_shapes(layers, hidden, vocab, heads, kv_heads, intermediate)
     numels = [math.prod(s) for s in shapes.values()]
     rng = np.random.default_rng(seed)
     total = sum(numels)
@@ -103,8 +132,9 @@ def make_checkpoint(dst, *, stage: int, dp: int, layers=80, hidden=64, vocab=320
     os.makedirs(tag_dir, exist_ok=True)
     with open(os.path.join(dst, "latest"), "w") as fh:
         fh.write(TAG)
-    with open(os.path.join(dst, "config.json"), "w") as fh:
-        json.dump(_config(layers, hidden, vocab, heads, kv_heads, intermediate), fh, indent=2)
+    if not custom:
+        with open(os.path.join(dst, "config.json"), "w") as fh:
+            json.dump(_config(layers, hidden, vocab, heads, kv_heads, intermediate), fh, indent=2)
     param_shapes = [OrderedDict((n, torch.Size(s)) for n, s in shapes.items())]
     common = {"ds_config": _ds_config(stage), "ds_version": "0.19.8"}
     model_common = {"buffer_names": [], "optimizer": None, "param_shapes": param_shapes,
@@ -114,7 +144,7 @@ def make_checkpoint(dst, *, stage: int, dp: int, layers=80, hidden=64, vocab=320
                     "global_samples": dp, "dp_world_size": dp, "mp_world_size": 1, **common}
     scaler = LossScaler(1.0)
     if stage == 3:
-        _zero3(tag_dir, dp, shapes, numels, flat, model_common, common, scaler, ZeroStageEnum)
+        _zero3(tag_dir, dp, shapes, numels, flat, model_common, common, scaler, ZeroStageEnum, link_model_states)
     else:
         _zero12(tag_dir, stage, dp, shapes, numels, flat, model_common, common, scaler, ZeroStageEnum,
                 fragment_address)
@@ -130,7 +160,7 @@ def make_checkpoint(dst, *, stage: int, dp: int, layers=80, hidden=64, vocab=320
             "seconds": round(time.perf_counter() - started, 2)}
 
 
-def _zero3(tag_dir, dp, shapes, numels, flat, model_common, common, scaler, ZeroStageEnum):
+def _zero3(tag_dir, dp, shapes, numels, flat, model_common, common, scaler, ZeroStageEnum, link=False):
     chunks = [-(-n // dp) for n in numels]
     per_rank = sum(chunks)
     empty = OrderedDict((n, torch.empty(0, dtype=torch.bfloat16)) for n in shapes)
@@ -151,8 +181,11 @@ def _zero3(tag_dir, dp, shapes, numels, flat, model_common, common, scaler, Zero
                "fp32_flat_groups": [part]}
         torch.save({"optimizer_state_dict": osd, **common},
                    os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
-        torch.save({"module": empty, **model_common},
-                   os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
+        states = os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+        if link and r:
+            os.link(os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt"), states)
+        else:
+            torch.save({"module": empty, **model_common}, states)
 
 
 def _zero12(tag_dir, stage, dp, shapes, numels, flat, model_common, common, scaler, ZeroStageEnum, fragment_address):
@@ -196,7 +229,14 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=80)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--moe", action="store_true", help="a DeepSeek-V3-like MoE structure (--layers 61, 256 experts)")
+    ap.add_argument("--experts", type=int, default=256)
     args = ap.parse_args(argv)
+    if args.moe:
+        shapes = deepseek_v3_shapes(layers=args.layers, experts=args.experts)
+        print(json.dumps(make_checkpoint(args.dst, stage=args.stage, dp=args.dp, shapes=shapes,
+                                         link_model_states=True)))
+        return
     print(json.dumps(make_checkpoint(args.dst, stage=args.stage, dp=args.dp, layers=args.layers, hidden=args.hidden,
                                      vocab=args.vocab)))
 

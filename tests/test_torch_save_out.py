@@ -232,3 +232,34 @@ def test_universal_leaves_out_model_fields_that_are_not_plain_data(tmp_path):
     out = torch.load(tmp_path / "uc" / "global_step2" / "mp_rank_00_model_states.pt", weights_only=True)
     assert "lr_scheduler" not in out and "data_sampler" not in out
     assert out["global_steps"] == model["global_steps"] and out["mp_world_size"] == 1
+
+
+def test_source_files_shared_across_saves_stay_bounded_and_change_no_byte(tmp_path):
+    """A SourceFiles kept across several files (the universal writer's) opens each source once, keeps
+    at most ``limit`` open (least recently used closed first), and writes the bytes a save of its
+    own writes."""
+    from hf_ckpt_integrations.formats.torch_save_out import SourceFiles
+
+    srcs = []
+    for i in range(3):
+        p = tmp_path / f"src{i}.bin"
+        p.write_bytes(torch.randn(64).numpy().tobytes())
+        srcs.append(str(p))
+
+    def obj():
+        return {"param": OutTensor("F32", (3, 64), lambda: [FileRange(s, 0, 256) for s in srcs])}
+
+    _write(obj(), tmp_path / "own.pt")
+    files = SourceFiles(limit=2)
+    opened = []
+    real_fd = files.fd
+    files.fd = lambda path: (opened.append(path) if path not in files.fds else None, real_fd(path))[1]
+    with files:
+        for name in ("a.pt", "b.pt"):
+            with open(tmp_path / name, "wb") as fh:
+                save(obj(), fh, archive="own", files=files)
+            assert len(files.fds) <= 2
+    assert not files.fds
+    assert opened == srcs * 2  # 3 sources through 2 descriptors: each evicted before it is needed again
+    own = (tmp_path / "own.pt").read_bytes()
+    assert (tmp_path / "a.pt").read_bytes() == own and (tmp_path / "b.pt").read_bytes() == own

@@ -180,3 +180,29 @@ def test_verify_checks_every_state_and_dry_run_writes_nothing(tmp_path):
     torch.save(d, path)
     r = hf_ckpt("verify", dst, "--against", src)
     assert r.returncode == 1 and "model.norm.weight/exp_avg_sq.pt: differs" in r.stdout, r.stdout + r.stderr
+
+
+def test_every_file_is_fsynced_before_the_rename(tmp_path, monkeypatch):
+    """The fsyncs run on a thread pool (universal_writer._Syncer): each written file must still be
+    synced, and all of them before the staging directory is renamed into place."""
+    import hf_ckpt_integrations.commit as commit
+
+    synced, renamed = set(), []
+    real_fsync, real_swap = os.fsync, commit.SiblingSwap._swap
+
+    def fsync(fd):
+        real_fsync(fd)
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        if path.is_relative_to(tmp_path) and len(path.relative_to(tmp_path).parts) > 1:
+            synced.add(Path(*path.relative_to(tmp_path).parts[1:]))  # inside the staging directory
+
+    def swap(self):
+        renamed.append(set(synced))
+        return real_swap(self)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(commit.SiblingSwap, "_swap", swap)
+    dst = tmp_path / "uc"
+    _write(CASES[0], dst)
+    files = {p.relative_to(dst) for p in dst.rglob("*") if p.is_file()}
+    assert len(files) > 10 and renamed and files <= renamed[0], sorted(files - renamed[0])[:5]
