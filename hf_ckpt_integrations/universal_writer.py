@@ -52,7 +52,7 @@ from .outfiles import open_new
 from .plan import ExportPlan, TensorPlan, check_plan
 
 __all__ = ["plan_universal", "write_universal_checkpoint", "verify_universal", "universal_summary", "UC_VERSION",
-           "STATE_LIMIT"]
+           "STATE_LIMIT", "CLIENT_STATE_LIMIT"]
 
 # deepspeed/checkpoint/constants.py UNIVERSAL_CHECKPOINT_VERSION_VALUE (0.19.8); shapes and cat_dim only,
 # which every version reads.
@@ -66,6 +66,16 @@ _GLOBAL_FIELDS = ("ds_version", "clip_grad", "dynamic_loss_scale", "overflow", "
 STATE_LIMIT = 1 << 16
 _MODEL_FIELDS = ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "dp_world_size", "ds_config",
                  "ds_version", "data_sampler", "random_ltd")
+# What DeepSpeed's own ``_common_checkpoint_state`` (0.19.8, engine.py) and its MoE/AutoTP savers put in a
+# model-states file; every other key is the training loop's ``client_state`` (GPT-NeoX's iteration and RNG
+# states), which ``load_checkpoint`` hands back to the loop: carried when it is plain data.
+_ENGINE_FIELDS = frozenset(_MODEL_FIELDS) | {
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "mp_world_size", "sparse_tensor_module_names", "universal_checkpoint_info",
+    "checkpoint_parallel_dimensions", "num_experts", "ds_autoep_layers"}
+# Client state is copied into each of the model-states files: beyond this many bytes it is not a loop's
+# counters and RNG states (tensors count their bytes; a bound like STATE_LIMIT's, for the whole of it).
+CLIENT_STATE_LIMIT = 64 << 20
 
 
 def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = None,
@@ -438,9 +448,35 @@ def _model_states(plan, model, shapes, frozen, buffers, files, notes) -> dict:
             notes.append(f"{k} not carried into the universal checkpoint ({e}): the resumed run starts it afresh" +
                          (" (DeepSpeed's loader reads it: pass load_lr_scheduler_states=False to load_checkpoint)"
                           if k == "lr_scheduler" else ""))
+    out.update(_client_state(plan, model, files, notes))
     out.update({"module": buffers, "buffer_names": list(buffers), "param_shapes": [shapes],
                 "frozen_param_shapes": frozen, "shared_params": dict(plan.aliases), "mp_world_size": 1,
                 "optimizer": None, "universal_checkpoint_info": _rules(plan)})
+    return out
+
+
+def _client_state(plan, model, files, notes) -> dict:
+    """The source's client state (the first model-states file's: one file serves every target rank),
+    each key that is plain data (numbers, strings, containers, tensors) as saved; a key holding
+    anything else (numpy's RNG state, an ``argparse.Namespace``: read as inert stand-ins, never
+    rebuilt) is left out with a note, and so is the whole when over :data:`CLIENT_STATE_LIMIT`."""
+    keys = [k for k in model if isinstance(k, str) and k not in _ENGINE_FIELDS]
+    if not keys:
+        return {}
+    size = _plain_size([model[k] for k in keys], CLIENT_STATE_LIMIT)
+    if size > CLIENT_STATE_LIMIT:
+        notes.append(f"client state ({', '.join(map(short_repr, keys[:8]))}) not carried: more than "
+                     f"{CLIENT_STATE_LIMIT >> 20} MiB; the training loop restores it from the source checkpoint")
+        return {}
+    out, left = {}, []
+    for k in keys:
+        try:
+            out[k] = _plain(model[k], files, k)
+        except _NotPlain as e:
+            left.append(f"{k} ({e.args[0].split(' holds ', 1)[-1]})")
+    if left:
+        notes.append(f"client state not carried (not plain data; the reader never rebuilds it): {', '.join(left)}; "
+                     "a training loop that reads it on resume must skip it (GPT-NeoX: no_load_rng)")
     return out
 
 

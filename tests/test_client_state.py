@@ -264,3 +264,32 @@ def test_nothing_is_imported_or_called(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_universal_carries_plain_client_state_and_names_what_it_leaves(tmp_path):
+    """``universal`` of a save with GPT-NeoX's client state: what ``load_checkpoint`` hands back to the
+    loop (iteration, python/torch RNG states, the args dict) is in the universal model-states files as
+    saved; numpy's RNG state and a Namespace (read as inert stand-ins, never rebuilt) are left out by
+    name, never written as something else."""
+    from hf_ckpt_integrations.universal_writer import MODEL_STATES, write_universal_checkpoint
+
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "0.18.9" / "zero2", src)
+    states = src / "ckpt" / "global_step2" / "mp_rank_00_model_states.pt"
+    model = torch.load(states, weights_only=False)
+    client = {**CLIENT_STATES["gpt-neox"], "megatron_args": _megatron_args()}
+    model.update(client)
+    states.unlink()
+    _save(model, states, "zip")
+    report = write_universal_checkpoint(str(src / "ckpt"), str(tmp_path / "uc" / "global_step2"), config=str(src))
+    left = [n for n in report["notes"] if n.startswith("client state not carried")]
+    assert len(left) == 1 and "np_rng_state" in left[0] and "megatron_args" in left[0], report["notes"]
+    for name in MODEL_STATES:
+        out = torch.load(tmp_path / "uc" / "global_step2" / name, weights_only=True)
+        assert "np_rng_state" not in out and "megatron_args" not in out
+        assert out["iteration"] == 2 and out["args"] == client["args"]
+        assert out["random_rng_state"] == client["random_rng_state"]
+        for key in ("torch_rng_state", "cuda_rng_state"):
+            assert torch.equal(out[key], client[key])
+        assert torch.equal(out["rng_tracker_states"]["model-parallel-rng"],
+                           client["rng_tracker_states"]["model-parallel-rng"])

@@ -46,6 +46,11 @@ def test_seed001_pipeline_save_resumes_at_tp1(engine_ckpt):
     before = json.loads((saved / "reference" / "run.json").read_text())
     after = json.loads((resumed / "run.json").read_text())
     assert after["steps"] == before["steps"] == [2.0] and after["global_steps"] == 2 + 2
+    # GPT-NeoX's client state comes back to the loop: its iteration and RNG states (numpy's is left out
+    # by name: the reader never rebuilds a numpy object)
+    assert after["client_iteration"] == 2
+    assert {"iteration", "args", "random_rng_state", "torch_rng_state"} <= set(after["client_keys"])
+    assert "np_rng_state" not in after["client_keys"]
     # TP 2 adds partial products in another order than TP 1's one matmul: equal to rounding.
     assert after["losses"] == pytest.approx(before["losses_after_save"], rel=1e-5, abs=1e-6)
 

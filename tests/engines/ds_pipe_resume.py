@@ -71,7 +71,7 @@ def main():
                  "zero_optimization": {"stage": 1}, "steps_per_print": 10**9,
                  "checkpoint": {"load_universal": True}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[q for q in model.parameters()], config=ds_config)
-    path, _ = engine.load_checkpoint(load_dir, tag=tag)
+    path, client = engine.load_checkpoint(load_dir, tag=tag)
     assert path is not None, "nothing loaded"
 
     getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", lambda: None)()
@@ -85,7 +85,10 @@ def main():
         save_file(loaded, str(args.out / f"loaded-stage{me.pipe}.safetensors"))
         if me.pipe == 0:
             common.write_json(args.out / "run.json", {"pp": args.pp, "tp": args.tp, "steps": steps, "losses": losses,
-                                                      "global_steps": engine.global_steps})
+                                                      "global_steps": engine.global_steps,
+                                                      # what load_checkpoint hands back to GPT-NeoX's loop
+                                                      "client_iteration": (client or {}).get("iteration"),
+                                                      "client_keys": sorted(client or {})})
     common.finish()
 
 
