@@ -123,3 +123,14 @@ def with_save_block(text: str, block: str) -> str:
 def render_doc(*, table, machine, date, pairs, save_bench=""):
     doc = DOC.format(table=table, machine=machine, date=date, pairs=pairs)
     return with_save_block(doc, save_bench) if save_bench else doc
+
+
+def replace_block(doc, start: str, end: str, block: str) -> None:
+    """Write ``block`` (which begins with ``start`` and ends with ``end``) into the page ``doc`` (a
+    Path) in place of the block between those markers, or at its end when it has none yet."""
+    text = doc.read_text()
+    if start in text:
+        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    doc.write_text(text)

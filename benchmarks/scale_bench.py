@@ -302,12 +302,9 @@ def plot(results: dict) -> None:
 
 
 def write_doc(block: str) -> None:
-    text = DOC.read_text()
-    if START in text:
-        text = text[:text.index(START)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    DOC.write_text(text)
+    from doc_template import replace_block  # benchmarks/doc_template.py
+
+    replace_block(DOC, START, END, block)
 
 
 def main(argv=None):
