@@ -118,7 +118,7 @@ def verify_checkpoint(dst, against, *, tag: Optional[str] = None, config: Option
 
     source = find_source(os.fspath(against), tag)  # once: the universal check and the config both ask it
     if is_universal_dir(dst) and source.NAME in ("deepspeed", "deepspeed-pipeline"):
-        from .universal_writer import verify_universal  # a universal checkpoint: every state, bitwise
+        from .universal_verify import verify_universal  # a universal checkpoint: every state, bitwise
 
         return verify_universal(dst, against, tag=tag, config=config_dir_of(config), tp_rules=tp_rules, quiet=quiet)
     config = config_dir_of(config) if config is not None else _export_config(source, dst, against, tag)

@@ -101,7 +101,7 @@ def test_verify_finds_the_source_once(tmp_path, monkeypatch):
     src = tmp_path / "src"
     src.mkdir()
     torch.save({"a.weight": torch.ones(2, 3)}, src / "pytorch_model.bin")
-    export_checkpoint(src, tmp_path / "out")
+    export_checkpoint(src, tmp_path / "out", weights_only=True)
     (tmp_path / "out" / "config.json").write_text("{}")  # what makes verify look for the export's config
     calls = []
     real = registry.find_source
