@@ -67,7 +67,7 @@ def test_a_fifo_index_is_refused_not_waited_on(tmp_path):
 
 def test_verify_refuses_a_fifo_config_in_dst(tmp_path):
     src, _ = _hf_src(tmp_path)
-    assert hf_ckpt("export", src, tmp_path / "out").returncode == 0
+    assert hf_ckpt("export", src, tmp_path / "out", "--weights-only").returncode == 0
     os.mkfifo(tmp_path / "out" / "config.json")
     r = hf_ckpt("verify", tmp_path / "out", "--against", src, timeout=HANG)
     assert r.returncode == 2 and "config.json" in r.stderr and "not a regular file" in r.stderr, r.stderr
@@ -104,7 +104,7 @@ def test_a_hub_cache_snapshot_reads_its_blobs(tmp_path):
     snap = repo / "snapshots" / "rev1"
     snap.mkdir(parents=True)
     (snap / "model.safetensors").symlink_to("../../blobs/0123abcd")
-    r = hf_ckpt("export", snap, tmp_path / "out")
+    r = hf_ckpt("export", snap, tmp_path / "out", "--weights-only")
     assert r.returncode == 0, r.stderr
     assert all(load_safetensors(tmp_path / "out" / "model.safetensors")[k].equal(v) for k, v in sd.items())
 
