@@ -4,7 +4,7 @@ Calls ``sources.live._partitions_to`` with parameter-like objects that carry wha
 DeepSpeed ZeRO-3 parameter (``ds_tensor``: this rank's padded partition, ``ds_numel``,
 ``ds_process_group``), for several element ranges and every writing rank, on every rank in the
 same order. ``torch.distributed.broadcast`` is replaced by a function that fails, and every
-``send`` is counted. Each rank records in ``OUT/rankN.json`` the bytes it received as the writer
+``isend`` of the batched point-to-point calls is counted. Each rank records in ``OUT/rankN.json`` the bytes it received as the writer
 and the sends it made.
 
 Kept out of ``tests/engines/``: that directory's contents key the engine checkpoint cache.
@@ -35,22 +35,25 @@ def main():
     param = SimpleNamespace(ds_tensor=part, ds_numel=NUMEL, ds_process_group=dist.group.WORLD)
 
     sends = []
-    real_send = dist.send
+    real_batch = dist.batch_isend_irecv
 
-    def counted_send(tensor, dst, *a, **k):
-        sends.append([dst, tensor.numel()])
-        return real_send(tensor, dst, *a, **k)
+    def counted_batch(ops, *a, **k):  # sends travel batched (comm.Traffic.exchange): count each isend
+        sends.extend([op.peer, op.tensor.numel()] for op in ops if op.op is dist.isend)
+        return real_batch(ops, *a, **k)
 
     def no_broadcast(*a, **k):
         raise AssertionError("a ZeRO-3 partition was broadcast")
 
-    dist.send, dist.broadcast = counted_send, no_broadcast
+    dist.batch_isend_irecv, dist.broadcast = counted_batch, no_broadcast
+    from hf_ckpt_integrations.comm import Traffic
     from hf_ckpt_integrations.sources.live import _partitions_to
+
+    traffic = Traffic(dist)
 
     got = {}
     for writer in range(world):
         for lo, hi in RANGES:
-            data = b"".join(bytes(c) for c in _partitions_to(param, None, lo, hi, writer))
+            data = b"".join(bytes(c) for c in _partitions_to(param, None, lo, hi, writer, traffic))
             if rank == writer:
                 got[f"{writer}:{lo}:{hi}"] = data == full[lo:hi].numpy().tobytes()
             elif data:
