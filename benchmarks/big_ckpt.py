@@ -127,6 +127,17 @@ def _rows(n, ranks):
     return [(r * per, max(0, min(per, n - r * per))) for r in range(ranks)]
 
 
+def _flat_layout(shapes):
+    """``({name: numel}, {name: first element})`` of the tensors laid end to end in ``shapes``' order:
+    the value pattern (``_fill``) is keyed by an element's place in that one flat run."""
+    numels = {n: math.prod(s) for n, s in shapes.items()}
+    starts, at = {}, 0
+    for n in shapes:
+        starts[n] = at
+        at += numels[n]
+    return numels, starts
+
+
 def make_dcp(dst, gb: float, ranks: int = 8) -> dict:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
@@ -135,11 +146,7 @@ def make_dcp(dst, gb: float, ranks: int = 8) -> dict:
     hidden, shapes = model_for(gb * 1e9)
     os.makedirs(dst, exist_ok=True)
     sd_meta, storage, planner = {}, {}, {}
-    numels = {n: math.prod(s) for n, s in shapes.items()}
-    starts, at = {}, 0
-    for n in shapes:
-        starts[n] = at
-        at += numels[n]
+    numels, starts = _flat_layout(shapes)
     for r in range(ranks):
         name = f"__{r}_0.distcp"
         with open(os.path.join(dst, name), "wb") as fh:
@@ -175,11 +182,7 @@ def make_rank_files(dst, gb: float, world: int = 8) -> dict:
     hidden, shapes = model_for(gb * 1e9)
     actor = os.path.join(dst, "actor")
     os.makedirs(actor, exist_ok=True)
-    numels = {n: math.prod(s) for n, s in shapes.items()}
-    starts, at = {}, 0
-    for n in shapes:
-        starts[n] = at
-        at += numels[n]
+    numels, starts = _flat_layout(shapes)
     for rank in range(world):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         try:
