@@ -14,14 +14,17 @@ unpadding is ``keep_rows``; a split into the Hub layout (one fused tensor -> N o
 narrowed pieces (:func:`narrow_pieces`), so the copy stays a byte-range copy.
 """
 
+import bisect
+import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ._tiling import check_tiling
 from .formats.dtypes import FLOATS, SIZES
 
-__all__ = ["Piece", "LivePiece", "Chunk", "TensorPlan", "ExportPlan", "narrow_pieces", "check_tiling",
+__all__ = ["Piece", "LivePiece", "Chunk", "TensorPlan", "ExportPlan", "narrow_pieces", "box_runs", "select_box",
+           "range_as_box", "check_tiling",
            "row_major_pieces", "parts_as_chunks", "check_plan", "decide_dtypes"]
 
 
@@ -54,24 +57,6 @@ class LivePiece:
         return self.hi - self.lo
 
 
-def narrow_pieces(pieces: List[Piece], start: int, count: int) -> List[Piece]:
-    """Elements ``[start, start + count)`` of the flat tensor ``pieces`` lay end to end, as pieces."""
-    out = []
-    for p in pieces:
-        if count <= 0:
-            break
-        if start >= p.numel:
-            start -= p.numel
-            continue
-        take = min(count, p.numel - start)
-        out.append(Piece(p.path, p.offset + start * SIZES[p.dtype], take, p.dtype))
-        count -= take
-        start = 0
-    if count > 0:
-        raise ValueError(f"element range past the end of the tensor ({count} elements missing)")
-    return out
-
-
 @dataclass(frozen=True)
 class Chunk:
     """A block of an output tensor, as torch DCP's ``ChunkStorageMetadata`` places one: ``pieces``
@@ -87,6 +72,118 @@ class Chunk:
     @property
     def numel(self) -> int:
         return math.prod(self.sizes)
+
+
+def narrow_pieces(pieces: Sequence[Piece], start: int, count: int) -> List[Piece]:
+    """Elements ``[start, start + count)`` of the flat tensor ``pieces`` lay end to end, as pieces.
+    Raises ``ValueError`` for a range past the end."""
+    return _Flat(pieces).take(start, count)
+
+
+class _Flat:
+    """``pieces`` laid end to end, indexed by element (a bisect per range: a chunk cut into many
+    runs costs ``runs x log(pieces)``, not ``runs x pieces``)."""
+
+    def __init__(self, pieces: Sequence[Piece]):
+        self.pieces = list(pieces)
+        self.starts: List[int] = []
+        at = 0
+        for p in self.pieces:
+            self.starts.append(at)
+            at += p.numel
+        self.numel = at
+
+    def take(self, start: int, count: int) -> List[Piece]:
+        if count == 0:
+            return []
+        if start < 0 or count < 0 or start + count > self.numel:
+            raise ValueError(f"element range past the end of the tensor "
+                             f"({max(0, start + count - self.numel)} elements missing)")
+        out: List[Piece] = []
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
+        while count > 0:
+            p, at = self.pieces[i], start - self.starts[i]
+            take = min(count, p.numel - at)
+            if take > 0:
+                out.append(Piece(p.path, p.offset + at * SIZES[p.dtype], take, p.dtype))
+                count -= take
+                start += take
+            i += 1
+        return out
+
+
+def box_runs(shape: Sequence[int], lo: Sequence[int], hi: Sequence[int]) -> Iterator[Tuple[int, int]]:
+    """The elements of box ``[lo, hi)`` of a row-major tensor of ``shape``, in row-major order, as
+    maximal runs ``(flat start, count)``: one per row of the dims the box cuts, the trailing dims it
+    covers whole merged into each run. Nothing for an empty box; a 0-d tensor is one run of 1."""
+    shape = tuple(shape)
+    if any(b <= a for a, b in zip(lo, hi)):
+        return
+    k = len(shape)
+    while k > 0 and lo[k - 1] == 0 and hi[k - 1] == shape[k - 1]:
+        k -= 1
+    if k == 0:
+        yield 0, math.prod(shape)
+        return
+    inner = math.prod(shape[k:])
+    run = (hi[k - 1] - lo[k - 1]) * inner
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    for outer in itertools.product(*(range(lo[d], hi[d]) for d in range(k - 1))):
+        yield sum(i * strides[d] for d, i in enumerate(outer)) + lo[k - 1] * inner, run
+
+
+def select_box(shape: Sequence[int], chunks: Sequence[Chunk], lo: Sequence[int], hi: Sequence[int]) -> List[Chunk]:
+    """The sub-box ``[lo, hi)`` of a tensor of ``shape`` tiled by ``chunks``, as chunks tiling a tensor of
+    shape ``hi - lo``: per chunk that meets the box, the part inside it, its pieces narrowed to the byte
+    ranges of those elements (row-major runs, :func:`box_runs`), offsets relative to ``lo``. Metadata
+    only: nothing is read, and a part of a tensor costs the reads of that part alone. Raises
+    ``ValueError`` for a box outside ``shape`` or a chunk whose pieces do not hold its elements."""
+    shape, lo, hi = tuple(shape), tuple(lo), tuple(hi)
+    if len(lo) != len(shape) or len(hi) != len(shape) or any(
+            not 0 <= a <= b <= d for a, b, d in zip(lo, hi, shape)):
+        raise ValueError(f"box {list(lo)}..{list(hi)} is not inside the shape {list(shape)}")
+    out = []
+    for c in chunks:
+        a = tuple(max(x, o) for x, o in zip(lo, c.offsets))
+        b = tuple(min(y, o + s) for y, o, s in zip(hi, c.offsets, c.sizes))
+        if any(q <= p for p, q in zip(a, b)):
+            continue
+        flat = _Flat(c.pieces)
+        if flat.numel != c.numel:
+            raise ValueError(f"a chunk at {list(c.offsets)} of sizes {list(c.sizes)} holds {flat.numel} elements")
+        local_lo = tuple(p - o for p, o in zip(a, c.offsets))
+        local_hi = tuple(q - o for q, o in zip(b, c.offsets))
+        pieces = [q for start, n in box_runs(c.sizes, local_lo, local_hi) for q in flat.take(start, n)]
+        out.append(Chunk(tuple(pieces), tuple(p - x for p, x in zip(a, lo)), tuple(q - p for p, q in zip(a, b))))
+    return out
+
+
+def range_as_box(shape: Sequence[int], start: int, count: int) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """Flat elements ``[start, start + count)`` of a row-major tensor of ``shape`` as the box ``(lo, hi)``
+    they are, or None when they are not one box (or none): a box fixes every dim before some dim ``d``,
+    takes a run of ``d`` and every dim after it whole (a split along the leading dims is one)."""
+    shape = tuple(shape)
+    if count <= 0 or start < 0 or start + count > math.prod(shape):
+        return None
+    for d in range(len(shape)):
+        inner = math.prod(shape[d + 1:])
+        if start % inner or count % inner:
+            continue
+        first, n = start // inner, count // inner
+        if first // shape[d] != (first + n - 1) // shape[d]:  # crosses an index of a dim before d
+            continue
+        lo = list(_unravel(start, shape))
+        hi = [i + 1 for i in lo[:d]] + [lo[d] + n] + list(shape[d + 1:])
+        return tuple(lo), tuple(hi)
+    return ((), ()) if not shape and start == 0 and count == 1 else None
+
+
+def _unravel(flat: int, shape: Sequence[int]) -> Tuple[int, ...]:
+    out = []
+    for d in reversed(shape):
+        out.append(flat % d if d else 0)
+        flat = flat // d if d else 0
+    return tuple(reversed(out))
 
 
 def row_major_pieces(shape: Sequence[int], chunks: Sequence[Chunk]) -> Optional[List[Piece]]:
@@ -221,6 +318,9 @@ class TensorPlan:
             return TensorPlan(name, tuple(shape), self.src_dtype, [narrow_pieces(flat, start, count)],
                               kind=self.kind, rule=self.rule, hub_source=self.name,
                               replicas=[narrow_pieces(r, start, count) for r in self.replicas], module_check=check)
+        boxed = self._boxed(name, tuple(shape), start, count)
+        if boxed is not None:
+            return boxed
         a, b = self.elem_range or (0, self.numel)
         if start + count > b - a:
             raise ValueError(f"{name}: elements [{start}, {start + count}) past the end of {self.name}")
@@ -228,6 +328,36 @@ class TensorPlan:
                           part_shapes=self.part_shapes, keep_rows=self.keep_rows, rule=self.rule,
                           replicas=self.replicas, elem_range=(a + start, a + start + count),
                           hub_source=self.name, chunks=self.chunks)
+
+    def _boxed(self, name: str, shape: Tuple[int, ...], start: int, count: int) -> Optional["TensorPlan"]:
+        """:meth:`narrowed` of an assembled tensor (TP slices, N-D chunks, unpadded rows) where the range
+        is a box whose shape, leading 1s dropped, is ``shape``: the chunks' parts inside it
+        (:func:`select_box`), so only that part is read. A row-parallel sum narrows every addend. None
+        where that does not apply (the range is not such a box, or the tensor is already a range)."""
+        if self.elem_range is not None:
+            return None
+        if self.reduce == "sum":
+            parts = [narrow_pieces(p, start, count) for p in self.parts]
+            return TensorPlan(name, shape, self.src_dtype, parts, kind=self.kind, rule=self.rule,
+                              part_shapes=[shape] * len(parts), hub_source=self.name, reduce=self.reduce)
+        if self.reduce is not None:
+            return None
+        box = range_as_box(self.shape, start, count)
+        drop = len(self.shape) - len(shape)
+        if box is None or drop < 0:
+            return None
+        lo, hi = box
+        sizes = tuple(b - a for a, b in zip(lo, hi))
+        if any(n != 1 for n in sizes[:drop]) or sizes[drop:] != shape:
+            return None
+        whole, placement = self.assembled_shape(), self.placement()
+        if self.replicas and len(placement) != 1:
+            return None
+        chunks = [Chunk(c.pieces, c.offsets[drop:], c.sizes[drop:]) for c in select_box(whole, placement, lo, hi)]
+        replicas = [list(select_box(whole, [Chunk(tuple(r), placement[0].offsets, placement[0].sizes)], lo, hi)[0]
+                         .pieces) for r in self.replicas]
+        return TensorPlan.from_chunks(name, shape, self.src_dtype, chunks, kind=self.kind, rule=self.rule,
+                                      replicas=replicas, hub_source=self.name)
 
 
 @dataclass

@@ -8,7 +8,6 @@ import torch
 
 from hf_ckpt_integrations import export_checkpoint, inspect_checkpoint, verify_checkpoint
 from hf_ckpt_integrations.errors import LayoutError
-from hf_ckpt_integrations.plan import Piece
 from hf_ckpt_integrations.sources.deepspeed import autoep
 from helpers import export_refused, load_safetensors, tampered_copy
 
@@ -18,12 +17,6 @@ def _layer(**over):
              "num_experts": 2, "ep_size": 2}
     layer.update(over)
     return layer
-
-
-def test_slice_crosses_pieces():
-    pieces = [Piece("a", 0, 3, "F32"), Piece("b", 100, 5, "F32")]
-    assert autoep._slice(pieces, 2, 3) == [Piece("a", 8, 1, "F32"), Piece("b", 100, 2, "F32")]
-    assert autoep._slice(pieces, 3, 5) == [Piece("b", 100, 5, "F32")]
 
 
 def test_preset_without_a_known_hf_layout_refused():

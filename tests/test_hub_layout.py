@@ -82,14 +82,15 @@ def _file(tmp_path, name, tensor):
     return str(path)
 
 
-def test_narrowed_byte_copy_stays_pieces_and_merged_tensor_gets_an_element_range(tmp_path):
+def test_narrowed_byte_copy_stays_pieces_and_merged_tensor_selects_a_box(tmp_path):
     fused = torch.randn(3, 4, 2)  # [E, 2I, H]
     a, b = _file(tmp_path, "a", fused[:2]), _file(tmp_path, "b", fused[2:])  # two ZeRO partitions
     plain = TensorPlan("fused", (3, 4, 2), "F32", [[Piece(a, 0, 16, "F32"), Piece(b, 0, 8, "F32")]])
     # expert 1, up half: elements [1*8 + 4, 1*8 + 8)
     up1 = plain.narrowed("experts.1.up", (2, 2), 12)
     assert up1.is_byte_copy and up1.parts == [[Piece(a, 48, 4, "F32")]] and up1.hub_source == "fused"
-    # A tensor-parallel merge along dim 1 (two slices [3, 2, 2]) is assembled first, then narrowed.
+    # A tensor-parallel merge along dim 1 (two slices [3, 2, 2]): each half of an expert is a box inside one
+    # slice, so it is that slice's bytes alone (never the merged tensor assembled, then cut).
     left, right = _file(tmp_path, "l", fused[:, :2]), _file(tmp_path, "r", fused[:, 2:])
     merged = TensorPlan("fused", (3, 4, 2), "F32", [[Piece(left, 0, 12, "F32")], [Piece(right, 0, 12, "F32")]],
                         cat_dim=1, part_shapes=[(3, 2, 2), (3, 2, 2)])
@@ -97,9 +98,16 @@ def test_narrowed_byte_copy_stays_pieces_and_merged_tensor_gets_an_element_range
         for e in range(3):
             for half in range(2):
                 t = merged.narrowed(f"experts.{e}.{half}", (2, 2), e * 8 + half * 4)
-                assert t.elem_range == (e * 8 + half * 4, e * 8 + half * 4 + 4) and not t.is_byte_copy
+                assert t.elem_range is None and t.is_byte_copy
+                assert t.flat_pieces() == [Piece((left, right)[half], e * 16, 4, "F32")]
                 assert torch.equal(torch_tensor(t, files), fused[e, 2 * half:2 * half + 2])
+        whole = merged.narrowed("e1", (4, 2), 8)  # both slices' rows of expert 1: two chunks, 8 elements read
+        assert whole.elem_range is None and sum(p.numel for part in whole.parts for p in part) == 8
+        assert torch.equal(torch_tensor(whole, files), fused[1])
         assert torch.equal(torch_tensor(plain.narrowed("e2", (4, 2), 16), files), fused[2])
+        # Not a box (half of one row and half of the next): the element range of the merged tensor, as before.
+        odd = merged.narrowed("odd", (2,), 1)
+        assert odd.elem_range == (1, 3) and torch.equal(torch_tensor(odd, files), fused.reshape(-1)[1:3])
 
 
 def test_live_tensors_of_a_plain_moe_model_equal_save_pretrained(tmp_path):

@@ -31,10 +31,9 @@ import re
 from typing import Dict, List, Optional
 
 from ...errors import LayoutError
-from ...formats.dtypes import SIZES as DTYPE_SIZES
 from ...formats.torch_files import TensorRef
 from ...mapped_files import MappedFiles
-from ...plan import Piece, TensorPlan
+from ...plan import Piece, TensorPlan, narrow_pieces
 from . import moe
 from .allowlist import load
 from .fields import tensor_pieces
@@ -121,24 +120,13 @@ def _layers(model, model_path):
     return out, PRESETS[preset]
 
 
-def _slice(pieces: List[Piece], start: int, count: int) -> List[Piece]:
-    """Elements ``[start, start + count)`` of the flat tensor ``pieces`` make up."""
-    out, pos = [], 0
-    for p in pieces:
-        lo, hi = max(start, pos), min(start + count, pos + p.numel)
-        if lo < hi:
-            out.append(Piece(p.path, p.offset + (lo - pos) * DTYPE_SIZES[p.dtype], hi - lo, p.dtype))
-        pos += p.numel
-    return out
-
-
 def _prove(files, master: List[Piece], copy: TensorRef, what: str, where: str):
     """A few of ``master``'s fp32 elements, cast to the expert file's dtype, must equal it."""
     from ...casts import cast_bytes
 
     n = copy.numel
     for pos in sorted({(n - 1) * k // (SAMPLES - 1) for k in range(SAMPLES)} if n else ()):
-        (m,) = _slice(master, pos, 1)
+        (m,) = narrow_pieces(master, pos, 1)
         off, nbytes = copy.byte_range(pos, 1)
         got = cast_bytes(bytes(files.read(m.path, m.offset, 4)), "F32", copy.dtype)
         if got != bytes(files.read(copy.path, off, nbytes)):
@@ -231,7 +219,7 @@ def _plan_experts(ranks, i, names, shapes, count, ep, rank_of, fused, experts, m
                     if copy is None or copy.shape != tuple(shape[1:]):
                         raise LayoutError(f"{model_path}: no layer_*_expert_* file holds {key} of shape "
                                           f"{tuple(shape[1:])}; expert files are missing or from another save")
-                    found[key] = _slice(pieces, j * per, per)
+                    found[key] = narrow_pieces(pieces, j * per, per)
                     _prove(files, found[key], copy, key, members[0].path)
     return found
 

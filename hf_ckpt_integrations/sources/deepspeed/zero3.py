@@ -2,10 +2,11 @@
 fp32 flat buffer holding its chunks back to back (the arithmetic is :mod:`.partitions`)."""
 
 from collections import OrderedDict
+from typing import List, Sequence
 
 from ...errors import LayoutError
 from ...formats.torch_files import TensorRef
-from ...plan import Piece, TensorPlan
+from ...plan import Piece, TensorPlan, narrow_pieces
 from . import partitions
 from .allowlist import load
 from .fields import numel, recorded_shape, tensor_pieces
@@ -51,22 +52,13 @@ def plan_zero3(ranks, param_groups, model_path, tensors):
         tensors[name] = TensorPlan(name, merged[name], "F32", [pieces], kind="master")
 
 
-def segmented_pieces(segments, start, count):
-    """Pieces for ``count`` elements from ``start`` of the concatenation of ``segments``."""
-    out = []
-    for seg in segments:
-        if count <= 0:
-            break
-        if start >= seg.numel:
-            start -= seg.numel
-            continue
-        take = min(count, seg.numel - start)
-        out.append(tensor_pieces(seg, start, take))
-        count -= take
-        start = 0
-    if count > 0:
-        raise LayoutError(f"{segments[0].path}: flat buffer shorter than the recorded shapes need")
-    return out
+def segmented_pieces(segments: Sequence[TensorRef], start: int, count: int) -> List[Piece]:
+    """Pieces for ``count`` elements from ``start`` of the concatenation of ``segments``
+    (:func:`~...plan.narrow_pieces` over the segments laid end to end)."""
+    try:
+        return narrow_pieces([tensor_pieces(seg, 0, seg.numel) for seg in segments], start, count)
+    except ValueError:
+        raise LayoutError(f"{segments[0].path}: flat buffer shorter than the recorded shapes need") from None
 
 
 def plan_zero3_frozen(model_files, dp, tensors):

@@ -1,11 +1,10 @@
 """Where a rank's shard of a DTensor lies in the global tensor, as torch computes it (plain
 numbers), and the byte pieces of a box of a contiguous local tensor."""
 
-import itertools
-import math
 from typing import List, Sequence, Tuple
 
-from ...plan import Piece
+from ...formats.torch_files import TensorRef
+from ...plan import Chunk, Piece, select_box
 
 
 # ---- placement arithmetic (plain numbers) ----------------------------------------------------
@@ -53,21 +52,11 @@ def index_runs(indices: List[int]) -> List[Tuple[int, int, int]]:
     return out
 
 
-def box_pieces(ref, lo: Sequence[int], hi: Sequence[int]) -> List[Piece]:
+def box_pieces(ref: TensorRef, lo: Sequence[int], hi: Sequence[int]) -> List[Piece]:
     """The elements of box ``[lo, hi)`` of the (contiguous) local tensor ``ref``, row-major, as pieces:
-    one per row of the dims the box cuts, the dims it covers whole merged into each."""
-    shape = ref.shape
-    k = len(shape)
-    while k > 0 and lo[k - 1] == 0 and hi[k - 1] == shape[k - 1]:
-        k -= 1
-    if k == 0:
-        return [Piece(ref.path, ref.byte_range()[0], ref.numel, ref.dtype)] if ref.numel else []
-    inner = math.prod(shape[k:])
-    run = (hi[k - 1] - lo[k - 1]) * inner
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-    pieces = []
-    for outer in itertools.product(*(range(lo[d], hi[d]) for d in range(k - 1))):
-        start = sum(i * strides[d] for d, i in enumerate(outer)) + lo[k - 1] * inner
-        if run:
-            pieces.append(Piece(ref.path, ref.byte_range(start, run)[0], run, ref.dtype))
-    return pieces
+    one per row of the dims the box cuts, the dims it covers whole merged into each
+    (:func:`~...plan.select_box` of the tensor as one chunk)."""
+    if not ref.numel:
+        return []
+    whole = Chunk((Piece(ref.path, ref.byte_range()[0], ref.numel, ref.dtype),), (0,) * len(ref.shape), ref.shape)
+    return [p for c in select_box(ref.shape, [whole], lo, hi) for p in c.pieces]
