@@ -133,7 +133,7 @@ def _export_config(source, dst, against, tag) -> Optional[str]:
     (``source.needs_config``: a pipeline save's HF names, FSDP1 LOCAL_STATE_DICT's parameter shapes)
     and that keeps none beside it: the export wrote that config into ``dst``. None otherwise (the
     config beside the source, as export found it, decides)."""
-    from .sources.passes import find_config_dir
+    from .convert.passes import find_config_dir
 
     needs = getattr(source, "needs_config", None)
     if needs is None or not os.path.isfile(os.path.join(os.fspath(dst), "config.json")):

@@ -106,8 +106,8 @@ def _layer_kinds(base_plan, base_dir, modules) -> Dict[str, Optional[str]]:
     base's tensors, as the Hub-layout pass bounds its build); None where no model can be built from
     config.json or it has no such module."""
     from .errors import CheckpointError
-    from .sources.config_fit import bounded_build
-    from .sources.hub_layout import meta_model
+    from .convert.config_fit import bounded_build
+    from .convert.hub_layout import meta_model
 
     kinds: Dict[str, Optional[str]] = dict.fromkeys(modules)
     if base_plan.config_dir is None:

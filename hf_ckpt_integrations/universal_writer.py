@@ -90,7 +90,7 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
     from .sources.deepspeed.allowlist import load
     from .sources.deepspeed.optim_states import OptimizerStates
     from .sources.deepspeed.rank_files import find_rank_files, resolve_tag_dir
-    from .sources.passes import find_config_dir
+    from .convert.passes import find_config_dir
     from .sources.protocol import PlanContext
     from .sources.registry import find_source
 

@@ -97,8 +97,8 @@ def test_the_build_itself_is_bounded_by_the_checkpoint(llama, tmp_path):
     """Whatever field makes the model large (here layers, with a checkpoint whose names claim many):
     the build is aborted once it registers more parameters than the checkpoint's tensors account for."""
     from hf_ckpt_integrations.errors import CheckpointError
-    from hf_ckpt_integrations.sources.config_fit import bounded_build
-    from hf_ckpt_integrations.sources.hub_layout import meta_model
+    from hf_ckpt_integrations.convert.config_fit import bounded_build
+    from hf_ckpt_integrations.convert.hub_layout import meta_model
 
     config = tmp_path / "config"
     shutil.copytree(llama.config, config)
@@ -121,7 +121,7 @@ def test_a_swallowed_abort_still_refuses(llama, tmp_path):
     """The builder (transformers, _model_for) may catch the abort and go on or raise something else:
     the bound still refuses on exit."""
     from hf_ckpt_integrations.errors import CheckpointError
-    from hf_ckpt_integrations.sources.config_fit import bounded_build
+    from hf_ckpt_integrations.convert.config_fit import bounded_build
 
     with pytest.raises(CheckpointError, match="describes a model with more than"):
         with bounded_build(llama.config, {"model.layers.1.w": (1,)}):
@@ -142,7 +142,7 @@ def test_every_family_fits_its_own_config(family, holds, tmp_path):
     whole state dict (persistent buffers too)."""
     import families
 
-    from hf_ckpt_integrations.sources.hub_layout import _derive
+    from hf_ckpt_integrations.convert.hub_layout import _derive
 
     model = families.build(family)
     model.config.save_pretrained(tmp_path)

@@ -151,7 +151,7 @@ def test_config_model_tensors_the_checkpoint_lacks_are_returned_a_missing_layer_
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_ckpt_integrations.errors import LayoutError
-    from hf_ckpt_integrations.sources.config_fit import check_fits
+    from hf_ckpt_integrations.convert.config_fit import check_fits
 
     cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)

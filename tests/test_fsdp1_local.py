@@ -138,7 +138,7 @@ def test_unit_params_follow_fsdp1s_flattening_order():
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "engines"))
     import common
-    from hf_ckpt_integrations.sources.hub_layout import meta_model
+    from hf_ckpt_integrations.convert.hub_layout import meta_model
 
     model = meta_model(common.tiny_llama_config(tie_word_embeddings=True))
     params, aliases, loose = unit_params(model, ["model.layers.0", "model.layers.1", ""], "x")

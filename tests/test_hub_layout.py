@@ -8,7 +8,7 @@ from hf_ckpt_integrations.assemble import torch_tensor
 from hf_ckpt_integrations.errors import LayoutError
 from hf_ckpt_integrations.plan import Piece, TensorPlan, narrow_pieces
 from hf_ckpt_integrations.mapped_files import MappedFiles
-from hf_ckpt_integrations.sources.hub_layout import hub_layout, meta_model
+from hf_ckpt_integrations.convert.hub_layout import hub_layout, meta_model
 
 transformers = pytest.importorskip("transformers")
 core = pytest.importorskip("transformers.core_model_loading")
@@ -127,7 +127,7 @@ def test_live_tensors_of_a_plain_moe_model_equal_save_pretrained(tmp_path):
 
 
 def test_tied_group_is_written_under_the_name_save_pretrained_keeps():
-    from hf_ckpt_integrations.sources.hub_layout import tied_renames
+    from hf_ckpt_integrations.convert.hub_layout import tied_renames
 
     model = meta_model(_tiny("gpt2"))
     # An engine that recorded the head first (lm_head stored, wte its alias): save_pretrained keeps wte.

@@ -69,7 +69,7 @@ def _poison(entry, sd, *, digest=True):
     swap = {Q: K, K: Q}
     answer["layout"] = [[swap.get(n, n), n, list(t.shape), 0] for n, t in sd.items() if n != "lm_head.weight"]
     if "digest" in e:
-        from hf_ckpt_integrations.sources.answer_cache import _digest as _entry_digest
+        from hf_ckpt_integrations.convert.answer_cache import _digest as _entry_digest
 
         e["digest"] = _entry_digest(e["key"], answer) if digest else "0" * 64
     elif not digest:

@@ -7,7 +7,7 @@ from hf_ckpt_integrations.assemble import check_replicas, torch_tensor
 from hf_ckpt_integrations.errors import LayoutError
 from hf_ckpt_integrations.plan import Piece, TensorPlan
 from hf_ckpt_integrations.mapped_files import MappedFiles
-from hf_ckpt_integrations.sources import tp_rules
+from hf_ckpt_integrations.convert import tp_rules
 
 INFO = {  # the shape of what DeepSpeed AutoTP records
     "tp_replicated_parameter_patterns": [r"^model\.norm\.weight$"],

@@ -8,7 +8,7 @@ from conftest import ENGINES, torchrun
 from hf_ckpt_integrations import export_checkpoint
 from hf_ckpt_integrations.sources.deepspeed.allowlist import load as load_rank_file
 from hf_ckpt_integrations.integrations.deepspeed import derive_universal_checkpoint_info
-from hf_ckpt_integrations.sources.tp_rules import hf_plans_for
+from hf_ckpt_integrations.convert.tp_rules import hf_plans_for
 from helpers import hf_ckpt
 
 pytestmark = pytest.mark.engine

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import LayoutError
 from ..plan import Chunk, TensorPlan, select_box
-from ..sources.tp_rules import concat_shape
+from .tp_rules import concat_shape
 from .rules import Rule, RuleSet, Size, fill
 
 __all__ = ["TRANSPOSE_LIMIT", "Converted", "apply_rules", "merge_tp"]

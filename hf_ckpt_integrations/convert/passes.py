@@ -1,5 +1,5 @@
-"""Post-passes the registry runs on every plan, whatever the source (:mod:`.registry`), each
-handed the export's :class:`~.protocol.PlanContext` (whose config.json is read once for all of them).
+"""Post-passes the registry runs on every plan, whatever the source (:mod:`..sources.registry`), each
+handed the export's :class:`~..sources.protocol.PlanContext` (whose config.json is read once for all of them).
 
 - :func:`find_config_dir` — config discovery: the first candidate a source proposes that holds a
   usable ``config.json``;
@@ -12,16 +12,18 @@ handed the export's :class:`~.protocol.PlanContext` (whose config.json is read o
 """
 
 from dataclasses import replace
-from typing import Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from .. import guards
 from ..plan import ExportPlan, check_plan, decide_dtypes
-from .protocol import PlanContext
+
+if TYPE_CHECKING:  # the registry's context type; the conversion layer imports nothing from sources/
+    from ..sources.protocol import PlanContext
 
 __all__ = ["find_config_dir", "drop_tied_aliases", "tie_embeddings", "finish_plan"]
 
 
-def finish_plan(plan: ExportPlan, dtype: Optional[str] = None, keep=None) -> ExportPlan:
+def finish_plan(plan: ExportPlan, dtype: Optional[str] = None, keep: Optional[object] = None) -> ExportPlan:
     """The last passes of every plan, whatever the source (the registry's offline plans, the live
     ones of :mod:`.live` and :mod:`.colossalai`): every tensor's output dtype decided once by the
     one rule (:func:`~..plan.decide_dtypes`; ``keep``: the model class's fp32-kept modules), then
@@ -31,7 +33,7 @@ def finish_plan(plan: ExportPlan, dtype: Optional[str] = None, keep=None) -> Exp
     return plan
 
 
-def find_config_dir(candidates) -> Optional[str]:
+def find_config_dir(candidates: Iterable[Optional[str]]) -> Optional[str]:
     """The first candidate holding a usable config.json (a regular file inside it, see guards)."""
     for d in candidates:
         if d and guards.config_problem(d) is None:
@@ -39,7 +41,7 @@ def find_config_dir(candidates) -> Optional[str]:
     return None
 
 
-def drop_tied_aliases(plan: ExportPlan, ctx: PlanContext):
+def drop_tied_aliases(plan: ExportPlan, ctx: "PlanContext") -> None:
     """Tied names (``lm_head.weight`` -> ``model.embed_tokens.weight``) are written once, as
     ``save_pretrained`` does; ``from_pretrained`` re-ties them. Kept when the config says the
     weights are not tied (the engine shared them by hand)."""
@@ -58,7 +60,7 @@ _EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "e
                "embeddings.weight")
 
 
-def tie_embeddings(plan: ExportPlan, ctx: PlanContext) -> None:
+def tie_embeddings(plan: ExportPlan, ctx: "PlanContext") -> None:
     """For sources whose state dicts hold tied weights under both names (``lm_head.weight`` and the
     input embedding: FSDP, torch DCP): when config.json ties them, write the embedding once, as
     ``save_pretrained`` does, and check the other copy is byte-identical to it (a replica, never

@@ -76,7 +76,7 @@ def _check_hub_layout(module, infos) -> None:
     transformers that fuses weights in memory (5.x MoE experts) ever run here, refuse rather than
     write names only that version loads (this path gathers whole tensors; it does not split them)."""
     from ..errors import LayoutError
-    from ..sources.hub_layout import live_layout
+    from ..convert.hub_layout import live_layout
 
     for name, source, _, offset in live_layout(module, {i.name: tuple(i.shape) for i in infos}):
         if name != source or offset:

@@ -16,7 +16,7 @@ Call it on every rank, as ``engine.save_checkpoint`` itself.
 import re
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
-from ..sources.tp_rules import hf_plans_for, rule_from_hf_plan
+from ..convert.tp_rules import hf_plans_for, rule_from_hf_plan
 
 __all__ = ["derive_universal_checkpoint_info", "universal_checkpoint_info", "save_checkpoint"]
 

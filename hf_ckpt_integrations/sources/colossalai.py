@@ -35,7 +35,7 @@ from ..dtype_rule import keep_fp32_of_model
 from ..formats.dtypes import FLOATS, from_torch, to_torch
 from ..plan import ExportPlan, LivePiece, TensorPlan
 from .live import own_bytes
-from .passes import finish_plan
+from ..convert.passes import finish_plan
 
 __all__ = ["TensorInfo", "describe_model", "live_plan", "local_tensors"]
 

@@ -2,7 +2,7 @@
 
 The lists are those of the model ``from_pretrained`` would build: the class ``architectures``
 names (else the first Auto class mapping the config), built on the meta device by
-:func:`~.hub_layout.meta_model` — code named by ``auto_map`` is never imported — and read from the
+:func:`~..convert.hub_layout.meta_model` — code named by ``auto_map`` is never imported — and read from the
 instance, since transformers 5's ``post_init`` gathers the children's lists (a vision-language
 model keeps its text model's). The answer is cached per (transformers release, config), as the
 Hub-layout answer is (:mod:`.answer_cache`): an export of every ``checkpoint-N`` of a
@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 from ..dtype_rule import KeepFp32, keep_fp32_of_model, match_style
 from ..formats.config import transformers_major
-from .answer_cache import cache_key, read_answer, write_answer
+from ..convert.answer_cache import cache_key, read_answer, write_answer
 
 __all__ = ["keep_fp32_of_config", "keep_for_plan"]
 
@@ -59,7 +59,7 @@ def keep_for_plan(plan, dtype: Optional[str], config: Optional[Callable[[], dict
 
 
 def _derive(config_dir: str, cfg: dict) -> dict:
-    from .hub_layout import meta_model
+    from ..convert.hub_layout import meta_model
 
     try:
         model = meta_model(config_dir, cfg=cfg)

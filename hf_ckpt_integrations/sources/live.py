@@ -53,7 +53,7 @@ from typing import List, Optional
 from ..dtype_rule import keep_fp32_of_model
 from ..formats.dtypes import FLOATS, from_torch, to_torch
 from ..plan import ExportPlan, LivePiece, TensorPlan
-from .passes import finish_plan
+from ..convert.passes import finish_plan
 
 __all__ = ["live_tensors", "reads_are_collective", "own_bytes"]
 
@@ -222,7 +222,7 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> ExportP
     if select is not None:
         layout = [(select(n), n, s[0], 0) for n, s in sources.items()]
     else:
-        from .hub_layout import live_layout
+        from ..convert.hub_layout import live_layout
 
         layout = live_layout(module, {n: s[0] for n, s in sources.items()}, aliases)
     for _, src, _, _ in layout:  # how many output tensors read each source (its gather is kept that long)

@@ -28,10 +28,11 @@ from ..guards import check_inside, plan_paths, source_root
 from ..supported_inputs import SRC_HINT
 from ..formats.names import CONFIG_NAME
 from ..plan import ExportPlan
-from . import dcp, deepspeed, fsdp_rank_files, hf_dir, hub_layout, peft, universal
+from ..convert import hub_layout
+from ..convert.passes import drop_tied_aliases, find_config_dir, finish_plan, tie_embeddings
+from . import dcp, deepspeed, fsdp_rank_files, hf_dir, peft, universal
 from .deepspeed import pipeline as deepspeed_pipeline
 from .fp32_modules import keep_for_plan
-from .passes import drop_tied_aliases, find_config_dir, finish_plan, tie_embeddings
 from .protocol import PlanContext, SourceOption, check_source, parse_options
 
 __all__ = ["SOURCES", "register", "find_source", "engine_checkpoint", "declared_options", "check_options",

@@ -23,7 +23,7 @@ from ...formats.torch_files import TensorRef
 from ...formats.dtypes import from_user as dtype_from_name
 from ...plan import ExportPlan, TensorPlan
 from ..protocol import PlanContext, SourceOption
-from ..tp_rules import parse_user_rule
+from ...convert.tp_rules import parse_user_rule
 from .allowlist import ALLOWED, load
 from .fields import check_model_types, meta_int, require, tensor_pieces
 from .moe import find_expert_files

@@ -29,7 +29,7 @@ from ...errors import CheckpointError, LayoutError, short_repr
 from ...formats.torch_files import TensorRef
 from ...plan import ExportPlan, TensorPlan
 from ..protocol import PlanContext, SourceOption
-from ..tp_rules import parse_user_rule
+from ...convert.tp_rules import parse_user_rule
 from .allowlist import ALLOWED, load
 from .fields import check_model_types, check_optim_types, meta_int, require, tensor_pieces
 from .name_map import ROW_BIAS, builtin_map, builtin_types, load_map, split_native
@@ -410,7 +410,7 @@ def _check_against_config(tensors, config_dir) -> None:
     config that does not fit the checkpoint is refused, never written as a directory that loads
     with missing weights. Nothing is checked when transformers cannot build the model (a note-free
     skip: ``from_pretrained`` would fail the same way)."""
-    from ..hub_layout import hub_layout, meta_model
+    from ...convert.hub_layout import hub_layout, meta_model
 
     model = meta_model(config_dir)
     if model is None:

@@ -5,7 +5,7 @@ ranks under the parallel residual, else one copy; in a universal checkpoint alwa
 
 from ...errors import CheckpointError, LayoutError
 from ...plan import TensorPlan
-from ..tp_rules import REPLICATED, Rule, concat_shape, rule_from_universal_info, rule_from_user
+from ...convert.tp_rules import REPLICATED, Rule, concat_shape, rule_from_universal_info, rule_from_user
 from .name_map import ROW_BIAS
 from .tp_merge import all_identical
 

@@ -6,7 +6,7 @@ from typing import Optional
 
 from ...errors import LayoutError
 from ...plan import ExportPlan, TensorPlan
-from ..tp_rules import Rule, concat_shape, hf_plans_for, rule_from_hf_plan, rule_from_universal_info, rule_from_user
+from ...convert.tp_rules import Rule, concat_shape, hf_plans_for, rule_from_hf_plan, rule_from_universal_info, rule_from_user
 
 __all__ = ["merge_model_parallel", "all_identical", "resolve_rule"]
 

@@ -7,7 +7,7 @@ each rank's ``model.state_dict()``, in which every FSDP unit (a wrapped module) 
 world-size padding and this rank's shard at offset ``rank * padded shard size`` (the padding cut
 off). What it does not record: which parameters the unit holds, their order, shapes, and the
 padding FSDP put between them. Those come from the model ``config.json`` describes, built on the
-meta device (:func:`~..hub_layout.meta_model`), as FSDP1 builds a flat parameter
+meta device (:func:`~...convert.hub_layout.meta_model`), as FSDP1 builds a flat parameter
 (``FlatParamHandle._init_flat_param_and_metadata``): the unit module's ``named_modules`` in order,
 each module's own parameters, those under a nested unit left to it, a tied parameter once (its
 first name). With ``use_orig_params=True`` FSDP pads each parameter to an address alignment of 16
@@ -233,7 +233,7 @@ def load_states(files: List[str]) -> List[dict]:
 
 def meta_model_for(ctx, where: str):
     """The model ``ctx``'s config describes, on the meta device; refused without one."""
-    from ..hub_layout import meta_model
+    from ...convert.hub_layout import meta_model
 
     if ctx.config_dir is None:
         raise CheckpointError(f"{where}: an FSDP1 LOCAL_STATE_DICT save (flat parameters per rank) is split by the "
