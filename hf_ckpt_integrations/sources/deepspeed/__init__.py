@@ -43,9 +43,11 @@ __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "ALLOWED", "detect", 
 NAME = "deepspeed"
 LOOKS_FOR = "a DeepSpeed save (a 'latest' file, global_step* tag dirs, *_model_states.pt / *_optim_states.pt)"
 MEMORY_NAMES = True  # the model's own parameter names: the Hub-layout pass applies
-OPTIONS = (SourceOption("tp_rules", "PATTERN=0|1|replicated: how to merge model-parallel slices of parameters "
-                        "matching PATTERN that neither the checkpoint nor the HF config describes (the CLI's --tp-rule)",
-                        repeated=True, default=[]),)
+# Declared once: the pipeline reader (:mod:`.pipeline`) takes the same option.
+TP_RULES_OPTION = SourceOption("tp_rules", "PATTERN=0|1|replicated: how to merge model-parallel slices of parameters "
+                               "matching PATTERN that neither the checkpoint nor the HF config describes (the CLI's "
+                               "--tp-rule)", repeated=True, default=[])
+OPTIONS = (TP_RULES_OPTION,)
 
 
 def detect(path: str, tag: Optional[str] = None) -> bool:

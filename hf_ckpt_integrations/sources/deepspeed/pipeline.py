@@ -29,6 +29,7 @@ from ...errors import CheckpointError, LayoutError, short_repr
 from ...formats.torch_files import TensorRef
 from ...plan import ExportPlan, TensorPlan
 from ..protocol import PlanContext, SourceOption
+from . import TP_RULES_OPTION
 from ...convert.tp_rules import parse_user_rule
 from .allowlist import ALLOWED, load
 from .fields import check_model_types, check_optim_types, meta_int, require, tensor_pieces
@@ -50,9 +51,7 @@ OPTIONS = (
     SourceOption("name_map", "FILE: a JSON name map from pipeline parameter names to HF names and TP rules "
                  "(docs: 'Pipeline parallelism'); default: the built-in map of config.json's model_type",
                  parse=load_map),
-    SourceOption("tp_rules", "PATTERN=0|1|replicated: how to merge model-parallel slices of parameters "
-                 "matching PATTERN that neither the checkpoint nor the HF config describes (the CLI's --tp-rule)",
-                 repeated=True, default=[]),
+    TP_RULES_OPTION,
 )
 
 LAYER_RE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
