@@ -22,7 +22,8 @@ from ...errors import CheckpointError, LayoutError, short_repr
 from ...formats.torch_files import TensorRef
 from ...formats.dtypes import from_user as dtype_from_name
 from ...plan import ExportPlan, TensorPlan
-from ..protocol import PlanContext, SourceOption
+from ..protocol import PlanContext
+from .tp_merge import TP_RULES_OPTION
 from ...convert.tp_rules import parse_user_rule
 from .allowlist import ALLOWED, load
 from .fields import check_model_types, meta_int, require, tensor_pieces
@@ -43,10 +44,6 @@ __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "ALLOWED", "detect", 
 NAME = "deepspeed"
 LOOKS_FOR = "a DeepSpeed save (a 'latest' file, global_step* tag dirs, *_model_states.pt / *_optim_states.pt)"
 MEMORY_NAMES = True  # the model's own parameter names: the Hub-layout pass applies
-# Declared once: the pipeline reader (:mod:`.pipeline`) takes the same option.
-TP_RULES_OPTION = SourceOption("tp_rules", "PATTERN=0|1|replicated: how to merge model-parallel slices of parameters "
-                               "matching PATTERN that neither the checkpoint nor the HF config describes (the CLI's "
-                               "--tp-rule)", repeated=True, default=[])
 OPTIONS = (TP_RULES_OPTION,)
 
 

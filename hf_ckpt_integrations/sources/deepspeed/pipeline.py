@@ -29,7 +29,7 @@ from ...errors import CheckpointError, LayoutError, short_repr
 from ...formats.torch_files import TensorRef
 from ...plan import ExportPlan, TensorPlan
 from ..protocol import PlanContext, SourceOption
-from . import TP_RULES_OPTION
+from .tp_merge import TP_RULES_OPTION
 from ...convert.tp_rules import parse_user_rule
 from .allowlist import ALLOWED, load
 from .fields import check_model_types, check_optim_types, meta_int, require, tensor_pieces

@@ -6,9 +6,15 @@ from typing import Optional
 
 from ...errors import LayoutError
 from ...plan import ExportPlan, TensorPlan
+from ..protocol import SourceOption
 from ...convert.tp_rules import Rule, concat_shape, hf_plans_for, rule_from_hf_plan, rule_from_universal_info, rule_from_user
 
-__all__ = ["merge_model_parallel", "all_identical", "resolve_rule"]
+__all__ = ["TP_RULES_OPTION", "merge_model_parallel", "all_identical", "resolve_rule"]
+
+# The --tp-rule option, declared once for the ZeRO and the pipeline readers (both take it).
+TP_RULES_OPTION = SourceOption("tp_rules", "PATTERN=0|1|replicated: how to merge model-parallel slices of parameters "
+                               "matching PATTERN that neither the checkpoint nor the HF config describes (the CLI's "
+                               "--tp-rule)", repeated=True, default=[])
 
 
 def merge_model_parallel(tag_dir, per_mp, config_dir, user_rules, config: Optional[dict] = None) -> ExportPlan:
