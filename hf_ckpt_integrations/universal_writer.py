@@ -44,9 +44,10 @@ from typing import Dict, Optional, Sequence
 
 from .errors import CheckpointError, LayoutError, option, short_repr
 from .guards import check_inside, plan_paths, source_root
-from .assemble import FileRange
 from .formats.torch_files import TensorRef
-from .formats.torch_save_out import OutTensor, SourceFiles, TorchSize, archive_name, save as save_torch_file
+from .formats.file_ranges import FileRange, SourceFiles
+from .formats.out_tensor import OutTensor
+from .formats.torch_save_out import TorchSize, archive_name, save as save_torch_file
 from .mapped_files import MappedFiles
 from .outfiles import open_new
 from .plan import ExportPlan, TensorPlan, check_plan
@@ -190,7 +191,7 @@ def _plain(value, files, what):
         return value
     if isinstance(value, TensorRef):
         where = FileRange(value.path, *value.byte_range())  # refuses a non-contiguous tensor now, not mid-file
-        return OutTensor(value.dtype, value.shape, lambda: [where])
+        return OutTensor(what, value.dtype, value.shape, lambda: [where])
     if isinstance(value, (list, tuple)):
         out = [_plain(v, files, what) for v in value]
         return tuple(out) if isinstance(value, tuple) else out
@@ -257,16 +258,14 @@ class _Syncer:
 
 
 def _tensor(t: TensorPlan, dtype: str) -> OutTensor:
-    """The tensor ``t`` describes, in ``dtype``, read while its file is written: stored bytes as file
-    ranges copied a bounded chunk at a time (a ZeRO merge is its partitions' ranges in order), a cast
-    a chunk at a time, only a tensor that must be assembled (TP column slices, unpadding) in memory.
+    """The tensor ``t`` describes, in ``dtype``, read while its file is written (the writer's own
+    descriptor, :func:`~.writer.out_tensor`): stored bytes as file ranges copied a bounded chunk at a
+    time (a ZeRO merge is its partitions' ranges in order), a cast a chunk at a time, only a tensor
+    that must be assembled (TP column slices, unpadding) in memory, mapped only while it is read.
     The replicas are checked before the first byte (:func:`~.assemble.iter_bytes`)."""
-    def chunks():
-        from .assemble import iter_bytes
+    from .writer import out_tensor
 
-        with MappedFiles() as files:  # a mapping only where slices are assembled; closed with the file
-            yield from iter_bytes(t, dtype, files, ranges=True)
-    return OutTensor(dtype, t.shape, chunks)
+    return out_tensor(t, dtype, None, ranges=True)
 
 
 def write_universal_checkpoint(src, dst, *, tag: Optional[str] = None, config: Optional[str] = None,
