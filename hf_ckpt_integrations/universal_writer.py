@@ -87,22 +87,19 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
     under the module's parameter names (:func:`.sources.deepspeed.pipeline.universal_plan`). Refuses
     what is not a DeepSpeed ZeRO or pipeline save, and what the export refuses (a TP-split tensor with
     no rule, replicas that disagree)."""
-    from .sources import deepspeed as ds
     from .sources.deepspeed.allowlist import load
     from .sources.deepspeed.optim_states import OptimizerStates
-    from .sources.deepspeed.rank_files import find_rank_files, resolve_tag_dir
+    from .sources.deepspeed.rank_files import resolve_tag_dir
     from .sources.passes import find_config_dir
-    from .sources.protocol import PlanContext
+    from .sources.protocol import PlanContext, hook
     from .sources.registry import find_source
-
-    from .sources.deepspeed import pipeline
 
     from .formats.config import config_dir_of
 
     config = config_dir_of(config)
     src = os.path.abspath(os.fspath(src))
     source = find_source(src, tag)
-    if source is not ds and source is not pipeline:
+    if not hook(source, "UNIVERSAL"):
         raise CheckpointError(f"{src}: a {source.NAME} checkpoint; a universal checkpoint is written from a "
                               "DeepSpeed ZeRO save or PipelineModule save (engine.save_checkpoint output) only")
     if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
@@ -112,19 +109,14 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
     ctx = PlanContext(src, tag=tag, options={"tp_rules": list(tp_rules or [])}, config_dir=config_dir)
     # A PipelineModule save keeps the module's own names ("{layer}.{name}", what load_universal looks up);
     # its name map (from the config's model_type) gives only the TP rules.
-    plan = pipeline.universal_plan(ctx) if source is pipeline else ds.plan(ctx)
+    plan = source.universal_plan(ctx)
     check_inside(plan_paths(plan), source_root(src), what="a file of the checkpoint")  # as every plan (registry)
     plan.config_dir = config_dir
     check_plan(plan)
     tag_dir, _ = resolve_tag_dir(src, tag)
     for t in plan.tensors:
         _check_name(t.name, tag_dir)
-    if source is pipeline:
-        optim, models = pipeline.rank_files(tag_dir)
-        first = models[0]
-    else:
-        optim, models = find_rank_files(tag_dir)
-        first = models[0].get(None) or models[0].get(0)
+    optim, first = source.universal_files(tag_dir)
     if not any(optim.values()):
         # Without ZeRO the optimizer's state sits inside the model-states file, keyed by position
         # (no file ties it to a name), and DeepSpeed restores a universal checkpoint only through
@@ -135,7 +127,7 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
                               "files to take the states from, and DeepSpeed loads universal checkpoints into ZeRO "
                               "stage 1-3 engines only; resume it at its own layout (engine.load_checkpoint), or "
                               "train with ZeRO stage 1-3 to change layouts (hf-ckpt export gives its weights)")
-    states = OptimizerStates(tag_dir, optim) if source is pipeline else OptimizerStates(tag_dir)
+    states = OptimizerStates(tag_dir, optim)
     return plan, states, load(first)
 
 

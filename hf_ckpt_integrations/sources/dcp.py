@@ -104,7 +104,7 @@ def detect(path: str, tag: Optional[str] = None) -> bool:
 
 
 def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
-    return [path, find_dcp_dir(path), os.path.dirname(os.path.abspath(path))]
+    return [d for d in (path, find_dcp_dir(path), os.path.dirname(os.path.abspath(path))) if d]
 
 
 def plan(ctx) -> ExportPlan:
@@ -225,6 +225,18 @@ def _check_disjoint(dcp_dir, spans, where) -> None:
                 "bytes: the metadata is corrupt or crafted, copy the checkpoint again from the training run")
         if reach is None or reach[0] != span[0] or span[2] > reach[2]:
             reach = span
+
+
+def check_integrity(ranges: Dict[str, List[Tuple[int, int]]]) -> Dict[str, List[str]]:
+    """The source hook (:class:`~.protocol.SourceBase`): each ``.distcp`` file whose directory's
+    ``.metadata`` records its archives (one per chunk), checked archive by archive within its own bytes."""
+    archives: Dict[str, List[Tuple[int, int]]] = {}
+    for d in sorted({os.path.dirname(p) for p in ranges if p.endswith(".distcp")}):
+        if os.path.isfile(os.path.join(d, METADATA)):
+            archives.update(data_archives(d))
+    return {path: [f"{path}: {what} fails its CRC-32 check (the checksum torch wrote with it): the source file "
+                   "is damaged, copy it again" for what in check_archive_crcs(path, archives[path], ranges[path])]
+            for path in sorted(ranges) if path in archives}
 
 
 def data_archives(dcp_dir: str) -> Dict[str, List[Tuple[int, int]]]:
