@@ -113,11 +113,11 @@ def verify_checkpoint(dst, against, *, tag: Optional[str] = None, config: Option
     """Compare every tensor of the HF directory ``dst`` with the source ``against``, bitwise. The plan
     is derived afresh (no Hub-layout cache): verify never takes an answer from what export used.
     Not ``quiet``: a progress bar on stderr when it is a terminal."""
-    from .sources.registry import find_source
-    from .sources.universal import is_universal_dir
+    from .sources.protocol import hook
+    from .sources.registry import find_source, is_universal_dir
 
     source = find_source(os.fspath(against), tag)  # once: the universal check and the config both ask it
-    if is_universal_dir(dst) and source.NAME in ("deepspeed", "deepspeed-pipeline"):
+    if is_universal_dir(dst) and hook(source, "UNIVERSAL"):
         from .universal_verify import verify_universal  # a universal checkpoint: every state, bitwise
 
         return verify_universal(dst, against, tag=tag, config=config_dir_of(config), tp_rules=tp_rules, quiet=quiet)
@@ -134,11 +134,11 @@ def _export_config(source, dst, against, tag) -> Optional[str]:
     and that keeps none beside it: the export wrote that config into ``dst``. None otherwise (the
     config beside the source, as export found it, decides)."""
     from .convert.passes import find_config_dir
+    from .sources.protocol import hook
 
-    needs = getattr(source, "needs_config", None)
-    if needs is None or not os.path.isfile(os.path.join(os.fspath(dst), "config.json")):
+    if not os.path.isfile(os.path.join(os.fspath(dst), "config.json")):
         return None
-    if not needs(os.fspath(against), tag) or find_config_dir(source.config_candidates(os.fspath(against), tag)):
+    if not hook(source, "needs_config")(os.fspath(against), tag) or find_config_dir(source.config_candidates(os.fspath(against), tag)):
         return None
     return os.fspath(dst)
 

@@ -8,27 +8,16 @@ whole rows in order (tensor-parallel column slices, FSDP x TP blocks) is assembl
 element ranges then use torch.
 """
 
-from typing import Iterator, NamedTuple
+from typing import Iterator
 
 from .errors import LayoutError
 from .formats.dtypes import FLOATS as FLOAT_DTYPES, SIZES as DTYPE_SIZES, to_torch as _torch_dtype
+from .formats.file_ranges import FileRange  # what iter_bytes yields with ranges=True
 from .mapped_files import MappedFiles
 from .plan import Piece, TensorPlan
 
 __all__ = ["assemble_chunks", "iter_bytes", "torch_tensor", "check_replicas", "check_module_copy",
            "FileRange", "FLOAT_DTYPES"]
-
-
-class FileRange(NamedTuple):
-    """``nbytes`` bytes at ``offset`` of ``path``, to be copied by the kernel (``os.copy_file_range``)
-    rather than read: the pages never enter this process, so memory stays flat whatever the model size."""
-
-    path: str
-    offset: int
-    nbytes: int
-
-    def __len__(self):
-        return self.nbytes
 
 
 def _flat(pieces, files: MappedFiles):

@@ -33,8 +33,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .errors import LayoutError
 from .formats.dtypes import NUMPY_BITS
+from .formats.file_ranges import read_into
 
 __all__ = ["can_cast", "cast_array", "cast_bytes", "iter_cast", "CHUNK_ELEMENTS"]
 
@@ -197,15 +197,6 @@ def _fd(owner, path: str) -> int:
         return fd
 
 
-def _pread_into(fd: int, buf: memoryview, offset: int, path: str) -> None:
-    while buf:
-        n = os.preadv(fd, [buf], offset)
-        if n == 0:
-            raise LayoutError(f"{path}: ends before byte {offset + len(buf)} (truncated, or changed during the "
-                              "export?); export from a complete checkpoint nobody is writing")
-        buf, offset = buf[n:], offset + n
-
-
 def iter_cast(pieces: Sequence, dst: str, owner, *, chunk: int = CHUNK_ELEMENTS) -> Iterator[memoryview]:
     """Yield the bytes of ``pieces`` (each with ``path``, ``offset``, ``numel``, ``dtype``) cast
     to ``dst``, a chunk at a time.
@@ -227,7 +218,7 @@ def iter_cast(pieces: Sequence, dst: str, owner, *, chunk: int = CHUNK_ELEMENTS)
         while done < p.numel:
             n = min(s.n, p.numel - done)
             raw = s.inp[:n * isize]
-            _pread_into(fd, memoryview(raw), p.offset + done * isize, p.path)
+            read_into(fd, memoryview(raw), p.offset + done * isize, p.path)
             out = s.out[:n * osize]
             cast_array(p.dtype, dst, raw.view(itype), out.view(_NP[dst]), s)
             yield memoryview(out)

@@ -12,12 +12,13 @@ import os
 import re
 import stat
 from contextlib import contextmanager
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Tuple
 
-from .errors import CheckpointError, DestinationError, LayoutError, OptionError, one_line
+from .errors import CheckpointError, DestinationError, LayoutError, OptionError, one_line, short_repr
 
 __all__ = ["open_regular", "check_inside", "source_root", "plan_paths", "read_small_text", "read_latest", "check_tag_name", "config_problem", "read_config", "copyable_problem",
-           "check_destination", "is_or_holds", "bad_metadata_as_input", "refuse_unreadable_layouts", "claim_file", "LATEST_LIMIT", "CONFIG_LIMIT"]
+           "check_destination", "is_or_holds", "bad_metadata_as_input", "refuse_unreadable_layouts", "claim_file", "LATEST_LIMIT", "CONFIG_LIMIT",
+           "dims"]
 
 LATEST_LIMIT = 4096  # DeepSpeed writes the tag name alone ("global_step1000")
 CONFIG_LIMIT = 16 * 2**20  # config.json; a real one is a few KB
@@ -311,3 +312,17 @@ def claim_file(slots: dict, key, path: str, *, where: str, what: str = "rank", c
         raise LayoutError(f"{where}: {first} and {name} both claim {what} {key}; one was copied in from elsewhere "
                           f"or renamed: {fix}")
     slots[key] = path if value is None else value
+
+
+def dims(value, what: str, where: Optional[str] = None, *, limit: Optional[int] = None) -> Tuple[int, ...]:
+    """``value`` (a shape, stride, offsets... read from a checkpoint's metadata) as a tuple, if it is a
+    list or tuple of at most ``limit`` (default :data:`~.formats.dtypes.MAX_NDIM`) non-negative
+    integers (``bool`` is not one); :class:`~.errors.LayoutError` naming ``where`` and ``what`` otherwise.
+    The one validator every reader of such metadata uses."""
+    from .formats.dtypes import MAX_NDIM
+
+    limit = MAX_NDIM if limit is None else limit
+    if type(value) not in (tuple, list) or len(value) > limit or not all(type(v) is int and v >= 0 for v in value):
+        raise LayoutError(f"{where + ': ' if where else ''}{what} {short_repr(value)} is not a list of at most {limit} "
+                          "non-negative integers; the file is corrupt or crafted: copy it again from the training run")
+    return tuple(value)

@@ -4,6 +4,8 @@ the writer's byte copies, verify)."""
 import mmap
 import threading
 
+from .formats.file_ranges import short_read
+
 __all__ = ["MappedFiles"]
 
 
@@ -24,7 +26,12 @@ class MappedFiles:
             return m
 
     def read(self, path: str, offset: int, nbytes: int) -> memoryview:
-        return memoryview(self.get(path))[offset:offset + nbytes]
+        """``nbytes`` bytes at ``offset`` of ``path``; :func:`~.formats.file_ranges.short_read` when
+        the file ends first (a slice of a map never reads past its end: it comes back short)."""
+        view = memoryview(self.get(path))[offset:offset + nbytes]
+        if len(view) != nbytes:
+            raise short_read(path, offset + nbytes)
+        return view
 
     def close(self):
         for m in self._maps.values():

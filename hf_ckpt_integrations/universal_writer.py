@@ -44,9 +44,10 @@ from typing import Dict, Optional, Sequence
 
 from .errors import CheckpointError, LayoutError, option, short_repr
 from .guards import check_inside, plan_paths, source_root
-from .assemble import FileRange
 from .formats.torch_files import TensorRef
-from .formats.torch_save_out import OutTensor, SourceFiles, TorchSize, archive_name, save as save_torch_file
+from .formats.file_ranges import FileRange, SourceFiles
+from .formats.out_tensor import OutTensor
+from .formats.torch_save_out import TorchSize, archive_name, save as save_torch_file
 from .mapped_files import MappedFiles
 from .outfiles import open_new
 from .plan import ExportPlan, TensorPlan, check_plan
@@ -86,22 +87,19 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
     under the module's parameter names (:func:`.sources.deepspeed.pipeline.universal_plan`). Refuses
     what is not a DeepSpeed ZeRO or pipeline save, and what the export refuses (a TP-split tensor with
     no rule, replicas that disagree)."""
-    from .sources import deepspeed as ds
     from .sources.deepspeed.allowlist import load
     from .sources.deepspeed.optim_states import OptimizerStates
-    from .sources.deepspeed.rank_files import find_rank_files, resolve_tag_dir
+    from .sources.deepspeed.rank_files import resolve_tag_dir
     from .convert.passes import find_config_dir
-    from .sources.protocol import PlanContext
+    from .sources.protocol import PlanContext, hook
     from .sources.registry import find_source
-
-    from .sources.deepspeed import pipeline
 
     from .formats.config import config_dir_of
 
     config = config_dir_of(config)
     src = os.path.abspath(os.fspath(src))
     source = find_source(src, tag)
-    if source is not ds and source is not pipeline:
+    if not hook(source, "UNIVERSAL"):
         raise CheckpointError(f"{src}: a {source.NAME} checkpoint; a universal checkpoint is written from a "
                               "DeepSpeed ZeRO save or PipelineModule save (engine.save_checkpoint output) only")
     if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
@@ -111,19 +109,14 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
     ctx = PlanContext(src, tag=tag, options={"tp_rules": list(tp_rules or [])}, config_dir=config_dir)
     # A PipelineModule save keeps the module's own names ("{layer}.{name}", what load_universal looks up);
     # its name map (from the config's model_type) gives only the TP rules.
-    plan = pipeline.universal_plan(ctx) if source is pipeline else ds.plan(ctx)
+    plan = source.universal_plan(ctx)
     check_inside(plan_paths(plan), source_root(src), what="a file of the checkpoint")  # as every plan (registry)
     plan.config_dir = config_dir
     check_plan(plan)
     tag_dir, _ = resolve_tag_dir(src, tag)
     for t in plan.tensors:
         _check_name(t.name, tag_dir)
-    if source is pipeline:
-        optim, models = pipeline.rank_files(tag_dir)
-        first = models[0]
-    else:
-        optim, models = find_rank_files(tag_dir)
-        first = models[0].get(None) or models[0].get(0)
+    optim, first = source.universal_files(tag_dir)
     if not any(optim.values()):
         # Without ZeRO the optimizer's state sits inside the model-states file, keyed by position
         # (no file ties it to a name), and DeepSpeed restores a universal checkpoint only through
@@ -134,7 +127,7 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
                               "files to take the states from, and DeepSpeed loads universal checkpoints into ZeRO "
                               "stage 1-3 engines only; resume it at its own layout (engine.load_checkpoint), or "
                               "train with ZeRO stage 1-3 to change layouts (hf-ckpt export gives its weights)")
-    states = OptimizerStates(tag_dir, optim) if source is pipeline else OptimizerStates(tag_dir)
+    states = OptimizerStates(tag_dir, optim)
     return plan, states, load(first)
 
 
@@ -190,7 +183,7 @@ def _plain(value, files, what):
         return value
     if isinstance(value, TensorRef):
         where = FileRange(value.path, *value.byte_range())  # refuses a non-contiguous tensor now, not mid-file
-        return OutTensor(value.dtype, value.shape, lambda: [where])
+        return OutTensor(what, value.dtype, value.shape, lambda: [where])
     if isinstance(value, (list, tuple)):
         out = [_plain(v, files, what) for v in value]
         return tuple(out) if isinstance(value, tuple) else out
@@ -257,16 +250,14 @@ class _Syncer:
 
 
 def _tensor(t: TensorPlan, dtype: str) -> OutTensor:
-    """The tensor ``t`` describes, in ``dtype``, read while its file is written: stored bytes as file
-    ranges copied a bounded chunk at a time (a ZeRO merge is its partitions' ranges in order), a cast
-    a chunk at a time, only a tensor that must be assembled (TP column slices, unpadding) in memory.
+    """The tensor ``t`` describes, in ``dtype``, read while its file is written (the writer's own
+    descriptor, :func:`~.writer.out_tensor`): stored bytes as file ranges copied a bounded chunk at a
+    time (a ZeRO merge is its partitions' ranges in order), a cast a chunk at a time, only a tensor
+    that must be assembled (TP column slices, unpadding) in memory, mapped only while it is read.
     The replicas are checked before the first byte (:func:`~.assemble.iter_bytes`)."""
-    def chunks():
-        from .assemble import iter_bytes
+    from .writer import out_tensor
 
-        with MappedFiles() as files:  # a mapping only where slices are assembled; closed with the file
-            yield from iter_bytes(t, dtype, files, ranges=True)
-    return OutTensor(dtype, t.shape, chunks)
+    return out_tensor(t, dtype, None, ranges=True)
 
 
 def write_universal_checkpoint(src, dst, *, tag: Optional[str] = None, config: Optional[str] = None,

@@ -128,12 +128,10 @@ def verify_plan(plan, dst, *, quiet: bool = True) -> VerifyReport:
 
 
 def _check_source_crc(plan, report) -> None:
-    """CRC-32 of every zip entry of the source the plan reads (partitions, module weights), against
-    the checksum the zip recorded when torch saved it: a flipped bit in a partition is a difference."""
-    import zipfile
-
-    from .formats.torch_files import check_crc
-    from .sources import dcp
+    """CRC-32 of every archive the plan reads (partitions, module weights, DCP chunks), against the
+    checksum torch recorded when it saved it (:func:`~.sources.registry.integrity_problems`): a
+    flipped bit in a partition is a difference."""
+    from .sources.registry import integrity_problems
 
     ranges: Dict[str, List[Tuple[int, int]]] = {}
     for t in plan.tensors:
@@ -142,16 +140,6 @@ def _check_source_crc(plan, report) -> None:
             [list(c.pieces) for _, chunks in t.tied_copies for c in chunks]
         for p in (p for part in parts for p in part):
             ranges.setdefault(p.path, []).append((p.offset, p.numel * DTYPE_SIZES[p.dtype]))
-    dcp_archives: Dict[str, List[Tuple[int, int]]] = {}
-    for d in sorted({os.path.dirname(p) for p in ranges if p.endswith(".distcp")}):
-        if os.path.isfile(os.path.join(d, dcp.METADATA)):  # the chunks' archives, where .metadata records them
-            dcp_archives.update(dcp.data_archives(d))
-    for path in sorted(ranges):
-        if path in dcp_archives:  # torch DCP: one archive per chunk, each checked within its own bytes
-            for what in dcp.check_archive_crcs(path, dcp_archives[path], ranges[path]):
-                report.differences.append(f"{path}: {what} fails its CRC-32 check (the checksum torch wrote with "
-                                          "it): the source file is damaged, copy it again")
-        elif zipfile.is_zipfile(path):
-            for entry in check_crc(path, ranges[path]):
-                report.differences.append(f"{path}: entry {entry} fails its CRC-32 check (the checksum torch "
-                                          "wrote with it): the source file is damaged, copy it again")
+    problems = integrity_problems(ranges)
+    for path in sorted(problems):
+        report.differences.extend(problems[path])

@@ -18,44 +18,29 @@ The front ends that run it: :func:`~.export.write_plan` (offline, one process),
 (:mod:`.integrations`).
 """
 
-import errno
-import math
 import os
 import shutil
 import sys
-from dataclasses import dataclass
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
-from .assemble import FileRange, iter_bytes
+from .assemble import iter_bytes
 from .commit import TMP_MARKER, SiblingSwap, disk_error
 from .errors import DestinationError, OptionError, option
 from .formats import names
 from .formats.dtypes import SIZES as DTYPE_SIZES, from_user as dtype_from_name
+from .formats.file_ranges import FileRange, SourceFiles, copy_range
 from .formats.names import CONFIG_FILES, MAX_SHARD_SIZE, SAFETENSORS_INDEX as INDEX_NAME
 from .formats.names import SAFETENSORS_PATTERN as SAFETENSORS_FILENAME_PATTERN
+from .formats.out_tensor import OutTensor
 from .formats.safetensors import encode_header
 from .guards import copyable_problem
 from .mapped_files import MappedFiles
 from .outfiles import open_new
-from .plan import ExportPlan, LivePiece, decide_dtypes
+from .plan import ExportPlan, LivePiece, TensorPlan, decide_dtypes
 
 __all__ = ["OutTensor", "split_shards", "shard_order", "write_shard", "write_index", "MAX_SHARD_SIZE",
            "SAFETENSORS_FILENAME_PATTERN", "INDEX_NAME", "TMP_MARKER", "CONFIG_FILES", "check_max_shard_size",
-           "check_workers", "plan_inputs", "export_strategy", "disk_error", "plan_tensors", "decided"]
-
-@dataclass
-class OutTensor:
-    """One tensor to write: its header facts, and ``chunks()`` yielding its bytes in order."""
-
-    name: str
-    dtype: str  # safetensors name: F32, BF16, ...
-    shape: Tuple[int, ...]
-    chunks: Callable[[], Iterable]
-
-    @property
-    def nbytes(self) -> int:
-        return DTYPE_SIZES[self.dtype] * math.prod(self.shape)
-
+           "check_workers", "plan_inputs", "export_strategy", "disk_error", "plan_tensors", "out_tensor", "decided"]
 
 def check_max_shard_size(max_shard_size) -> int:
     """``max_shard_size`` in bytes: what ``save_pretrained`` takes ("5GB", "500MB"; "5GiB", "500MiB" as
@@ -129,18 +114,14 @@ def write_shard(path, tensors: Sequence[OutTensor], progress=None) -> int:
     """
     tensors = shard_order(tensors)
     total = 0
-    sources = {}
-    with open_new(path) as fh:  # a new file: never through a link planted at its name
+    with SourceFiles() as sources, open_new(path) as fh:  # a new file: never through a link planted at its name
         fh.write(encode_header((t.name, t.dtype, t.shape) for t in tensors))
         for t in tensors:
             got = 0
             for chunk in t.chunks():
                 if isinstance(chunk, FileRange):
                     fh.flush()
-                    src = sources.get(chunk.path)
-                    if src is None:
-                        src = sources[chunk.path] = os.open(chunk.path, os.O_RDONLY)
-                    _copy_range(src, fh.fileno(), chunk)
+                    copy_range(sources.fd(chunk.path), fh.fileno(), chunk)
                 else:
                     fh.write(chunk)
                 got += len(chunk)
@@ -155,39 +136,7 @@ def write_shard(path, tensors: Sequence[OutTensor], progress=None) -> int:
             total += got
         fh.flush()
         os.fsync(fh.fileno())
-    for fd in sources.values():
-        os.close(fd)
     return total
-
-
-_BLOCK = 16 * 2**20
-
-
-def _copy_range(src: int, dst: int, r: FileRange) -> None:
-    """Append ``r``'s bytes to ``dst`` (at its current offset): in the kernel where it can
-    (``copy_file_range``), else through a bounded buffer."""
-    offset, left = r.offset, r.nbytes
-    use_kernel = hasattr(os, "copy_file_range")
-    while left:
-        if use_kernel:
-            try:
-                n = os.copy_file_range(src, dst, min(left, 1 << 30), offset)
-            except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
-                    raise
-                use_kernel = False
-                continue
-        else:
-            data = os.pread(src, min(left, _BLOCK), offset)
-            n = len(data)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(dst, view):]
-        if n == 0:
-            raise DestinationError(f"{r.path}: ended {left} bytes early while copying (changed during the export?); "
-                                   "export again from a checkpoint nobody is writing")
-        offset += n
-        left -= n
 
 
 def write_index(directory, split, tensors: Sequence[OutTensor]) -> None:
@@ -229,32 +178,37 @@ def decided(plan: ExportPlan, dtype: Optional[str] = None) -> ExportPlan:
     return plan
 
 
-def plan_tensors(plan: ExportPlan, dtype: Optional[str], files: MappedFiles, *, ranges: bool = False,
+def plan_tensors(plan: ExportPlan, dtype: Optional[str], files: Optional[MappedFiles], *, ranges: bool = False,
                  assignment=None) -> List[OutTensor]:
     """The writer's per-shard inputs for ``plan`` (:func:`decided` for ``dtype`` first), reading
-    through ``files``; with ``ranges``, stored bytes come as :class:`~.assemble.FileRange` (only
-    :func:`write_shard` consumes those). A tensor produced on request (:class:`~.plan.LivePiece`)
-    is read on behalf of the rank ``assignment.writer_of(name)`` names (``chunks()`` there;
-    ``drain()``, the same read with its bytes dropped, elsewhere); without an ``assignment`` it is
-    sizes only (what the assignment itself needs)."""
+    through ``files``; with ``ranges``, stored bytes come as :class:`~.formats.file_ranges.FileRange`
+    (:func:`write_shard` and :mod:`~.formats.torch_save_out` copy those). A tensor produced on request
+    (:class:`~.plan.LivePiece`) is read on behalf of the rank ``assignment.writer_of(name)`` names
+    (``chunks()`` there; ``drain()``, the same read with its bytes dropped, elsewhere); without an
+    ``assignment`` it is sizes only (what the assignment itself needs)."""
     decided(plan, dtype)
-    out = []
-    for t in plan.tensors:
-        d = t.out_dtype
-        pieces = [p for part in t.parts for p in part]
-        if pieces and all(isinstance(p, LivePiece) for p in pieces):
-            out.append(_produced(t, d, assignment))
-        else:
-            out.append(OutTensor(t.name, d, tuple(t.shape), lambda t=t, d=d: iter_bytes(t, d, files, ranges=ranges)))
-    return out
+    return [out_tensor(t, t.out_dtype, files, ranges=ranges, assignment=assignment) for t in plan.tensors]
 
 
-@dataclass
-class _Produced(OutTensor):
-    drain: Optional[Callable[[], None]] = None
+def out_tensor(t: TensorPlan, dtype: str, files: Optional[MappedFiles], *, ranges: bool = False,
+               assignment=None) -> OutTensor:
+    """The :class:`~.formats.out_tensor.OutTensor` of ``t`` in ``dtype`` (:func:`plan_tensors`, one
+    tensor); ``files`` None: the tensor maps what it must (only slices to assemble) in a
+    :class:`~.mapped_files.MappedFiles` of its own, closed once its bytes are read."""
+    pieces = [p for part in t.parts for p in part]
+    if pieces and all(isinstance(p, LivePiece) for p in pieces):
+        return _produced(t, dtype, assignment)
+    if files is None:
+        def chunks():
+            with MappedFiles() as own:
+                yield from iter_bytes(t, dtype, own, ranges=ranges)
+    else:
+        def chunks():
+            return iter_bytes(t, dtype, files, ranges=ranges)
+    return OutTensor(t.name, dtype, tuple(t.shape), chunks)
 
 
-def _produced(t, d: str, assignment) -> OutTensor:
+def _produced(t: TensorPlan, d: str, assignment) -> OutTensor:
     if assignment is None:
         return OutTensor(t.name, d, tuple(t.shape), None)
     writer = assignment.writer_of(t.name)
@@ -268,4 +222,4 @@ def _produced(t, d: str, assignment) -> OutTensor:
         for _ in chunks():
             pass
 
-    return _Produced(t.name, d, tuple(t.shape), chunks, drain)
+    return OutTensor(t.name, d, tuple(t.shape), chunks, drain)

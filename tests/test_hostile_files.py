@@ -536,7 +536,8 @@ def test_dimension_budget(tmp_path, monkeypatch):
     monkeypatch.setattr(torch_files, "MAX_NDIM", 3)
     with pytest.raises(CheckpointError) as e:
         torch_files.load(p)
-    assert "tensor shape is not a list of at most 3 integers" in _reason(e.value, p), str(e.value)
+    assert "shape (1, 2, 1, 2) is not a list of at most 3 non-negative integers" in _reason(e.value, p), \
+        str(e.value)
 
 
 def test_dict_key_budget(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hf_ckpt_integrations.assemble import FileRange
-from hf_ckpt_integrations.errors import CheckpointError
+from hf_ckpt_integrations.errors import CheckpointError, LayoutError
 from hf_ckpt_integrations.formats import torch_files, torch_save_out
 from hf_ckpt_integrations.formats.dtypes import from_torch
 from hf_ckpt_integrations.formats.torch_save_out import OutTensor, TorchSize, archive_name, save
@@ -43,7 +43,7 @@ def _random(dtype, shape, seed):
 
 def _out(t):
     raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return OutTensor(from_torch(t.dtype), tuple(t.shape), lambda: [raw])
+    return OutTensor("t", from_torch(t.dtype), tuple(t.shape), lambda: [raw])
 
 
 def _ours(obj):
@@ -155,7 +155,7 @@ def test_file_ranges_stream_in_bounded_chunks(tmp_path, monkeypatch):
     monkeypatch.setattr(torch_save_out.zlib, "crc32", crc32)
     half = len(data) // 2
     ranges = [FileRange(str(src), 100, half), FileRange(str(src), 100 + half, len(data) - half)]
-    _write({"param": OutTensor("F32", (100, 100), lambda: ranges)}, tmp_path / "out.pt")
+    _write({"param": OutTensor("param", "F32", (100, 100), lambda: ranges)}, tmp_path / "out.pt")
     monkeypatch.undo()
     assert max(seen) <= 4096 and sum(seen) > len(data)
     got = torch.load(tmp_path / "out.pt", weights_only=True)["param"]
@@ -165,8 +165,8 @@ def test_file_ranges_stream_in_bounded_chunks(tmp_path, monkeypatch):
 def test_a_short_source_is_refused(tmp_path):
     src = tmp_path / "src.bin"
     src.write_bytes(b"\0" * 100)
-    with pytest.raises(CheckpointError, match="got 96 bytes, expected 400"):
-        _write({"param": OutTensor("F32", (100,), lambda: [FileRange(str(src), 4, 400)])}, tmp_path / "out.pt")
+    with pytest.raises(LayoutError, match=r"src.bin: ends before byte 404, .*\(100 bytes long: truncated"):
+        _write({"param": OutTensor("param", "F32", (100,), lambda: [FileRange(str(src), 4, 400)])}, tmp_path / "out.pt")
 
 
 @pytest.mark.parametrize("value", [object(), {1, 2}, b"bytes", torch.float32], ids=["object", "set", "bytes", "dtype"])
@@ -247,7 +247,7 @@ def test_source_files_shared_across_saves_stay_bounded_and_change_no_byte(tmp_pa
         srcs.append(str(p))
 
     def obj():
-        return {"param": OutTensor("F32", (3, 64), lambda: [FileRange(s, 0, 256) for s in srcs])}
+        return {"param": OutTensor("param", "F32", (3, 64), lambda: [FileRange(s, 0, 256) for s in srcs])}
 
     _write(obj(), tmp_path / "own.pt")
     files = SourceFiles(limit=2)

@@ -20,6 +20,7 @@ import pytest
 
 from hf_ckpt_integrations import commit, orchestrator, writer
 from hf_ckpt_integrations.commit import MergeIntoCheckpoint, SiblingSwap
+from hf_ckpt_integrations.formats import file_ranges
 from hf_ckpt_integrations.errors import CheckpointError, DestinationError
 from hf_ckpt_integrations.orchestrator import write
 from hf_ckpt_integrations.plan import ExportPlan, LivePiece, Piece, TensorPlan
@@ -216,9 +217,9 @@ def test_pread_fallback_when_copy_file_range_fails_or_is_missing(tmp_path, monke
     else:
         monkeypatch.delattr(os, "copy_file_range", raising=False)
     reads = []
-    real_pread = os.pread
-    monkeypatch.setattr(os, "pread", lambda fd, n, off: reads.append(n) or real_pread(fd, n, off))
-    monkeypatch.setattr(writer, "_BLOCK", 4096)  # several blocks per range
+    real_preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: reads.append(len(bufs[0])) or real_preadv(fd, bufs, off))
+    monkeypatch.setattr(file_ranges, "BLOCK", 4096)  # several blocks per range
     write(_plan([t]), SiblingSwap(tmp_path / "out"))
     got = load_safetensors(tmp_path / "out" / "model.safetensors")["x"].numpy().tobytes()
     assert got == payload

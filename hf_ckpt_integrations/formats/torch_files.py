@@ -95,23 +95,15 @@ class TensorRef(Leaf):
         return (self.storage.offset + (self.storage_offset + start) * self.itemsize, count * self.itemsize)
 
 
-def _ints(value, what):
-    if not isinstance(value, (tuple, list)) or len(value) > MAX_NDIM or \
-            not all(type(v) in (int, bool) for v in value):
-        raise CheckpointError(f"tensor {what} is not a list of at most {MAX_NDIM} integers "
-                              f"({short_repr(value)})")
-    return tuple(int(v) for v in value)
-
-
 def _tensor(storage, storage_offset, size, stride) -> "TensorRef":
     """A :class:`TensorRef`, refused unless every element it views lies inside its storage (a view
     reaching outside would export the zip's own headers, or another storage, as weights)."""
     if not isinstance(storage, StorageRef):
         raise CheckpointError(f"tensor built on {type(storage).__name__}, not a storage")
-    shape, stride = _ints(size, "shape"), _ints(stride, "stride")
     where = f"{storage.path}: a tensor in storage {storage.key}"
-    if type(storage_offset) not in (int, bool) or len(stride) != len(shape) or \
-            any(d < 0 for d in shape) or any(st < 0 for st in stride) or storage_offset < 0:
+    shape = guards.dims(size, "shape", where, limit=MAX_NDIM)  # non-negative: checked there
+    stride = guards.dims(stride, "stride", where, limit=MAX_NDIM)
+    if type(storage_offset) not in (int, bool) or len(stride) != len(shape) or storage_offset < 0:
         raise CheckpointError(f"{where} has an invalid view (offset {short_repr(storage_offset)}, shape "
                               f"{list(shape)}, stride {list(stride)}); the file is corrupt, copy it again")
     last = int(storage_offset) + sum((d - 1) * st for d, st in zip(shape, stride))
@@ -154,7 +146,7 @@ def _device(*args):
 
 
 def _guarded_size(dims=()):
-    return _ints(dims, "shape")
+    return guards.dims(dims, "tensor shape", limit=MAX_NDIM)
 
 
 # torch.Size and the torch dtypes (``torch.float32``...): every torch pickle spells them this way.

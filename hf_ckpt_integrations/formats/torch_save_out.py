@@ -15,8 +15,8 @@ the same records, fields and padding, so ``torch.load`` (``weights_only=True``, 
 its files as torch's own.
 
 What :func:`save` takes: dicts, ``OrderedDict``s, lists, tuples, str, int, float, bool, None,
-:class:`TorchSize` and :class:`OutTensor` (a dtype, a shape and a callable giving its bytes in
-order). Anything else is a ``TypeError``: this writer never pickles an arbitrary object. A tensor's
+:class:`TorchSize` and :class:`~.out_tensor.OutTensor` (a name, a dtype, a shape and a callable giving
+its bytes in order). Anything else is a ``TypeError``: this writer never pickles an arbitrary object. A tensor's
 bytes are copied a bounded chunk at a time (a ``(path, offset, nbytes)`` range of a file is read
 with ``pread``), so memory stays flat whatever the tensor size; the CRC is computed on the way.
 """
@@ -27,10 +27,12 @@ import struct
 import sys
 import zlib
 from collections import OrderedDict
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Iterator, Optional
 
 from ..errors import CheckpointError
-from .dtypes import SIZES, STORAGE_CLASSES
+from .dtypes import STORAGE_CLASSES
+from .file_ranges import FileRange, SourceFiles, iter_range
+from .out_tensor import OutTensor
 
 __all__ = ["OutTensor", "TorchSize", "SourceFiles", "save", "archive_name", "ALIGNMENT", "CHUNK"]
 
@@ -58,39 +60,6 @@ _REBUILD = _Global("torch._utils", "_rebuild_tensor_v2")
 _SIZE = _Global("torch", "Size")
 # safetensors dtype name -> the typed storage class torch pickles (``TypedStorage._pickle_storage_type``)
 _STORAGES = {dtype: _Global("torch", cls) for cls, dtype in STORAGE_CLASSES.items() if cls != "UntypedStorage"}
-
-
-class OutTensor:
-    """A tensor to write: ``dtype`` (a safetensors name: ``"F32"``, ``"BF16"``...), ``shape``, and
-    ``chunks``, a callable returning its row-major bytes in order as bytes-like objects and/or
-    ``(path, offset, nbytes)`` file ranges (:class:`~..assemble.FileRange`). Called once, while the
-    file is written; the bytes must add up to ``numel * itemsize``."""
-
-    __slots__ = ("dtype", "shape", "chunks")
-
-    def __init__(self, dtype: str, shape: Sequence[int], chunks: Callable[[], Iterable]):
-        if dtype not in _STORAGES:
-            raise TypeError(f"dtype {dtype!r} has no torch storage class here")
-        self.dtype, self.shape, self.chunks = dtype, tuple(int(s) for s in shape), chunks
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * SIZES[self.dtype]
-
-    def stride(self):
-        # torch's contiguous strides: a dimension of size 0 counts as 1
-        out, step = [], 1
-        for s in reversed(self.shape):
-            out.append(step)
-            step *= max(s, 1)
-        return tuple(reversed(out))
 
 
 class TorchSize(tuple):
@@ -125,6 +94,8 @@ class _Pickler(pickle._Pickler):
 
     def reducer_override(self, obj):
         if type(obj) is OutTensor:
+            if obj.dtype not in _STORAGES:
+                raise TypeError(f"{obj.name}: dtype {obj.dtype!r} has no torch storage class here")
             storage = _Storage(obj, str(len(self.storages)))
             self.storages.append(storage)
             return _REBUILD, (storage, 0, obj.shape, obj.stride(), False, OrderedDict())
@@ -201,52 +172,14 @@ class _ZipOut:
                                 _U32 if cd_start >= _ZIP64_AT else cd_start, 0))
 
 
-class SourceFiles:
-    """Read-only descriptors of the source files ranges are read from, kept open across the records
-    and files of one writer (a ZeRO tensor is a range of every rank's file, and a universal
-    checkpoint writes three files per parameter: reopening them cost ~7,000 ``open`` calls for a 1 GB
-    8-rank save). At most ``limit`` stay open, the least recently used closed first. A context
-    manager; :meth:`close` closes them all."""
-
-    def __init__(self, limit: int = 64):
-        self.limit, self.fds = limit, OrderedDict()
-
-    def fd(self, path) -> int:
-        fd = self.fds.pop(path, None)
-        if fd is None:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            if len(self.fds) >= self.limit:
-                os.close(self.fds.popitem(last=False)[1])
-        self.fds[path] = fd
-        return fd
-
-    def close(self) -> None:
-        while self.fds:
-            os.close(self.fds.popitem()[1])
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def _stream(tensor: OutTensor, buf: bytearray, files: SourceFiles):
-    """``tensor``'s bytes as bytes-like chunks; file ranges read ``CHUNK`` bytes at a time into ``buf``."""
-    view = memoryview(buf)  # slices of one buffer, each written before the next is read
+def _stream(tensor: OutTensor, buf: bytearray, files: SourceFiles) -> Iterator:
+    """``tensor``'s bytes as bytes-like chunks; file ranges read ``CHUNK`` bytes at a time into ``buf``
+    (:func:`~.file_ranges.iter_range`: a source file that ends early is an error naming it)."""
     for chunk in tensor.chunks():
-        if not isinstance(chunk, tuple):
+        if isinstance(chunk, tuple):
+            yield from iter_range(files.fd(chunk[0]), FileRange(*chunk), buf)
+        else:
             yield chunk
-            continue
-        path, offset, left = chunk
-        fd = files.fd(path)
-        while left:
-            n = os.preadv(fd, [view[:min(left, len(buf))]], offset)
-            if n <= 0:
-                return  # the record's size check names the shortfall
-            yield view[:n]
-            offset += n
-            left -= n
 
 
 def archive_name(path) -> str:
@@ -261,7 +194,7 @@ def _good_archive(name: str) -> bool:
     return bool(name) and name not in (".", "..") and not any(c in "/\\" or ord(c) < 32 for c in name)
 
 
-def save(obj, fh, *, archive: str = "archive", files: SourceFiles = None) -> int:
+def save(obj, fh, *, archive: str = "archive", files: Optional[SourceFiles] = None) -> int:
     """Write ``obj`` to ``fh`` (a binary file object opened for writing, at offset 0) as
     ``torch.save(obj, fh)`` writes it, records under ``archive/`` (``torch.save`` to a path uses the
     file name up to its first dot; to a file object ``archive``). Returns the bytes written.

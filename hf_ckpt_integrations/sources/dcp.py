@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .. import guards
 from ..formats import torch_files, unpickler
-from ..formats.dtypes import MAX_NDIM, SIZES as DTYPE_SIZES
+from ..formats.dtypes import SIZES as DTYPE_SIZES
 from ..errors import CheckpointError, LayoutError, one_line, short_repr
 from ..plan import Chunk, ExportPlan, Piece, TensorPlan, check_tiling, row_major_pieces
 from ..formats.unpickler import Record, record_type
@@ -104,7 +104,7 @@ def detect(path: str, tag: Optional[str] = None) -> bool:
 
 
 def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
-    return [path, find_dcp_dir(path), os.path.dirname(os.path.abspath(path))]
+    return [d for d in (path, find_dcp_dir(path), os.path.dirname(os.path.abspath(path))) if d]
 
 
 def plan(ctx) -> ExportPlan:
@@ -130,14 +130,6 @@ def _is_pickle(path):
             return fh.read(1) == b"\x80"  # PROTO: torch pickles .metadata; the HF writer's is JSON
     except OSError:
         return False
-
-
-def _ints(value, what, where) -> Tuple[int, ...]:
-    if type(value) is not tuple or len(value) > MAX_NDIM or \
-            not all(type(v) is int and v >= 0 for v in value):
-        raise LayoutError(f"{where}: {what} {short_repr(value)} is not a list of non-negative integers; the "
-                          "checkpoint is corrupt or crafted: copy it again from the training run")
-    return value
 
 
 def _record(value, kind, where, what) -> Record:
@@ -169,15 +161,15 @@ def read_metadata(dcp_dir: str):
         if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise LayoutError(f"{where}: {one_line(fqn[:100])} has dtype {short_repr(dtype)}, which hf-ckpt does not "
                               f"export (it reads {', '.join(DTYPE_SIZES)})")
-        size = _ints(entry.field("size"), f"{one_line(fqn[:100])} size", where)
+        size = guards.dims(entry.field("size"), f"{one_line(fqn[:100])} size", where)
         chunks = entry.field("chunks")
         if type(chunks) is not list:
             raise LayoutError(f"{where}: {one_line(fqn[:100])} has no chunk list; the checkpoint is corrupt")
         placed = []
         for c in chunks:
             c = _record(c, "ChunkStorageMetadata", where, f"a chunk of {one_line(fqn[:100])}")
-            placed.append((_ints(c.field("offsets"), "chunk offsets", where), _ints(c.field("sizes"), "chunk sizes",
-                                                                                  where)))
+            placed.append((guards.dims(c.field("offsets"), "chunk offsets", where),
+                           guards.dims(c.field("sizes"), "chunk sizes", where)))
         tensors[fqn] = DcpTensor(dtype, size, placed)
     storage = {}
     spans = []  # (file, start, end, fqn, offsets) of every storage entry: distinct chunks never share bytes
@@ -205,7 +197,7 @@ def read_metadata(dcp_dir: str):
             raise LayoutError(f"{where}: {one_line(fqn[:100])} is stored through storage-writer extensions "
                               f"{short_repr(info.field('transform_descriptors'))} (e.g. compression); hf-ckpt reads "
                               "chunks FileSystemWriter stores plainly: save without _extensions")
-        storage[(fqn, _ints(tuple(offsets) if type(offsets) in (tuple, list) else offsets, "storage offsets",
+        storage[(fqn, guards.dims(offsets, "storage offsets",
                             where))] = (rel, off, length)
     _check_disjoint(dcp_dir, spans, where)
     planner = md.field("planner_data")
@@ -233,6 +225,18 @@ def _check_disjoint(dcp_dir, spans, where) -> None:
                 "bytes: the metadata is corrupt or crafted, copy the checkpoint again from the training run")
         if reach is None or reach[0] != span[0] or span[2] > reach[2]:
             reach = span
+
+
+def check_integrity(ranges: Dict[str, List[Tuple[int, int]]]) -> Dict[str, List[str]]:
+    """The source hook (:class:`~.protocol.SourceBase`): each ``.distcp`` file whose directory's
+    ``.metadata`` records its archives (one per chunk), checked archive by archive within its own bytes."""
+    archives: Dict[str, List[Tuple[int, int]]] = {}
+    for d in sorted({os.path.dirname(p) for p in ranges if p.endswith(".distcp")}):
+        if os.path.isfile(os.path.join(d, METADATA)):
+            archives.update(data_archives(d))
+    return {path: [f"{path}: {what} fails its CRC-32 check (the checksum torch wrote with it): the source file "
+                   "is damaged, copy it again" for what in check_archive_crcs(path, archives[path], ranges[path])]
+            for path in sorted(ranges) if path in archives}
 
 
 def data_archives(dcp_dir: str) -> Dict[str, List[Tuple[int, int]]]:
@@ -409,7 +413,7 @@ def _hf_writer_entries(dcp_dir: str):
         for name, e in header.tensors.items():
             rec = info.get(name)
             off = rec.get("saved_offsets") if isinstance(rec, dict) else (0,) * len(e.shape) if rec is None else None
-            off = _ints(tuple(off) if isinstance(off, (list, tuple)) else off, f"{one_line(name[:100])} saved_offsets",
+            off = guards.dims(off, f"{one_line(name[:100])} saved_offsets",
                         f)
             if name in dtypes and dtypes[name] != e.dtype:
                 raise LayoutError(f"{f}: {one_line(name[:100])} is {e.dtype} here, {dtypes[name]} in another file; the "

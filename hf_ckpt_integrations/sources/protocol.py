@@ -22,8 +22,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Seque
 
 from ..errors import OptionError
 
-__all__ = ["SourceOption", "PlanContext", "Source", "SourceProtocolError", "check_source", "parse_options",
-           "tie_word_embeddings"]
+__all__ = ["SourceOption", "PlanContext", "Source", "SourceBase", "hook", "SourceProtocolError", "check_source",
+           "parse_options", "tie_word_embeddings"]
 
 
 @dataclass(frozen=True)
@@ -48,14 +48,10 @@ class SourceOption:
 class Source(Protocol):
     """A source: one module of ``sources/`` knowing one engine's on-disk layout.
 
-    Optional members: ``ALLOWED`` (the pickle allowlist its files are read with: module name ->
-    {global name: inert stand-in}, handed to :func:`~..formats.torch_files.load`),
-    ``TIED_UNDER_BOTH_NAMES`` (bool: its state dicts hold a tied weight under both names),
-    ``YIELDS_TO`` (names of sources whose complete checkpoint in the same directory comes first) and
-    ``holds_checkpoint(path) -> bool`` (a complete checkpoint of this kind resolves at
-    ``path`` without a tag; what ``YIELDS_TO`` asks) and ``needs_config(path, tag) -> bool`` (its plan
-    cannot be made without the model's config.json: names or shapes come from it; ``verify`` then
-    takes the config the export wrote into DST when none is beside the source)."""
+    The members below are required; the optional hooks, and their defaults, are :class:`SourceBase`'s
+    (read them through :func:`hook`). ``detect`` and ``config_candidates`` read names only (never a
+    pickle) and answer on any path: a missing one, an empty directory or a file claims nothing
+    (tests/test_source_conformance.py runs every registered source through that)."""
 
     NAME: str  # the engine name plans carry
     LOOKS_FOR: str  # what it recognises, in words (listed when no source claims a path)
@@ -67,6 +63,61 @@ class Source(Protocol):
     def config_candidates(self, path: str, tag: Optional[str]) -> List[str]: ...
 
     def plan(self, ctx: "PlanContext"): ...
+
+
+class SourceBase:
+    """The optional hooks of a source and their defaults: what the registry and the later stages get
+    from :func:`hook` when a source module does not define one. A source overrides a hook by defining
+    the same name in its module; no module outside ``sources/`` asks which source it holds — it asks
+    the hook.
+
+    - ``ALLOWED``: the pickle allowlist its files are read with (module name -> {global name: inert
+      stand-in}), handed to :func:`~..formats.torch_files.load`; default none.
+    - ``TIED_UNDER_BOTH_NAMES``: its state dicts hold a tied weight under both names (the tied-weight
+      pass drops the alias); default False.
+    - ``YIELDS_TO``: names of sources whose complete checkpoint in the same directory comes first.
+    - ``holds_checkpoint(path)``: a complete checkpoint of this kind resolves at ``path`` without a
+      tag (what another source's ``YIELDS_TO`` asks); default False.
+    - ``needs_config(path, tag)``: its plan cannot be made without the model's config.json (names or
+      shapes come from it); ``verify`` then takes the config the export wrote into DST when none is
+      beside the source. Default False.
+    - ``check_integrity(ranges)``: ``ranges`` maps each file a plan reads to its ``(offset, nbytes)``
+      ranges; returns, for the files this source checked itself, the problems found (full sentences,
+      ``[]`` for a sound file). Files no source checks get the torch zip CRC-32 check
+      (:func:`~.registry.integrity_problems`). Default: checks none (``{}``).
+    - ``UNIVERSAL``: a DeepSpeed universal checkpoint can be written from its saves; it then defines
+      ``universal_plan(ctx)`` (the plan under the names DeepSpeed's loader looks up) and
+      ``universal_files(tag_dir) -> (optim, first_model_states_path)`` (``optim[mp][dp]``: the
+      optimizer partition files, empty without ZeRO). Default False.
+    """
+
+    ALLOWED: Dict[str, Dict[str, Any]] = {}
+    TIED_UNDER_BOTH_NAMES: bool = False
+    YIELDS_TO: Tuple[str, ...] = ()
+    UNIVERSAL: bool = False
+
+    @staticmethod
+    def holds_checkpoint(path: str) -> bool:
+        return False
+
+    @staticmethod
+    def needs_config(path: str, tag: Optional[str] = None) -> bool:
+        return False
+
+    @staticmethod
+    def check_integrity(ranges: Mapping[str, Sequence[Tuple[int, int]]]) -> Dict[str, List[str]]:
+        return {}
+
+
+_HOOKS = ("ALLOWED", "TIED_UNDER_BOTH_NAMES", "YIELDS_TO", "UNIVERSAL", "holds_checkpoint", "needs_config",
+          "check_integrity")
+
+
+def hook(source, name: str) -> Any:
+    """``source``'s own ``name`` (an optional hook or attribute of :class:`SourceBase`), else its default."""
+    if name not in _HOOKS:
+        raise AttributeError(f"{name!r} is not an optional source hook (one of {', '.join(_HOOKS)})")
+    return getattr(source, name, getattr(SourceBase, name))
 
 
 class SourceProtocolError(TypeError):
@@ -115,14 +166,21 @@ def check_source(source, registered: Sequence = (), everyone: Sequence = ()) -> 
         if len(set(names)) != len(names) or not all(n.isidentifier() for n in names):
             problems.append(f"OPTIONS names must be unique identifiers (got {names})")
     hooks = [("detect", 2), ("config_candidates", 2), ("plan", 1)]
-    hooks += [("needs_config", 2)] if hasattr(source, "needs_config") else []
+    hooks += [(name, want) for name, want in (("needs_config", 2), ("holds_checkpoint", 1), ("check_integrity", 1))
+              if hasattr(source, name)]
+    universal = getattr(source, "UNIVERSAL", False)
+    if not isinstance(universal, bool):
+        problems.append("UNIVERSAL, when given, must be True or False")
+    elif universal:
+        hooks += [("universal_plan", 1), ("universal_files", 1)]
     for attr, want in hooks:
         fn = getattr(source, attr, None)
         arity = _positional_arity(fn) if callable(fn) else None
         if not callable(fn):
             problems.append(f"{attr}() is missing")
         elif arity is not None and not arity[0] <= want <= arity[1]:
-            shown = "(path, tag)" if want == 2 else "(ctx: PlanContext)"
+            shown = ("(path, tag)" if want == 2 else "(ctx: PlanContext)" if attr.endswith("plan") else
+                     "(path)" if attr == "holds_checkpoint" else "(tag_dir)" if attr == "universal_files" else "(ranges)")
             problems.append(f"{attr}() must be callable as {attr}{shown}")
     plan_fn = getattr(source, "plan", None)
     try:

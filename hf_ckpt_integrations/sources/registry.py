@@ -21,7 +21,7 @@ source").
 
 import os
 import re
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError, option
 from ..guards import check_inside, plan_paths, source_root
@@ -33,10 +33,10 @@ from ..convert.passes import drop_tied_aliases, find_config_dir, finish_plan, ti
 from . import dcp, deepspeed, fsdp_rank_files, hf_dir, peft, universal
 from .deepspeed import pipeline as deepspeed_pipeline
 from .fp32_modules import keep_for_plan
-from .protocol import PlanContext, SourceOption, check_source, parse_options
+from .protocol import PlanContext, SourceOption, check_source, hook, parse_options
 
 __all__ = ["SOURCES", "register", "find_source", "engine_checkpoint", "declared_options", "check_options",
-           "plan_with"]
+           "plan_with", "integrity_problems", "is_universal_dir"]
 
 
 def register(*sources) -> tuple:
@@ -64,8 +64,8 @@ def _claims(source, path: str, tag: Optional[str]) -> bool:
     """``source`` detects ``path`` and no source it yields to holds a complete checkpoint there."""
     if not source.detect(path, tag):
         return False
-    yields = getattr(source, "YIELDS_TO", ())
-    return not any(s.NAME in yields and s.holds_checkpoint(path) for s in SOURCES)
+    yields = hook(source, "YIELDS_TO")
+    return not any(s.NAME in yields and hook(s, "holds_checkpoint")(path) for s in SOURCES)
 
 
 def find_source(path: str, tag: Optional[str] = None):
@@ -100,6 +100,30 @@ def engine_checkpoint(path: str) -> Optional[str]:
         if _claims(source, path, None):
             return None if source is hf_dir else source.NAME
     return None
+
+
+def integrity_problems(ranges: Mapping[str, Sequence[Tuple[int, int]]]) -> Dict[str, List[str]]:
+    """The damage found in the files a plan reads (``ranges``: path -> its ``(offset, nbytes)`` ranges),
+    by path (``[]``: sound): each registered source's ``check_integrity`` hook first (a torch DCP
+    archive per chunk), then the CRC-32 torch's zip records for every byte range of every other zip
+    file. Verify reports each problem as a difference."""
+    import zipfile
+
+    from ..formats.torch_files import check_crc
+
+    out: Dict[str, List[str]] = {}
+    for source in SOURCES:
+        out.update(hook(source, "check_integrity")({p: r for p, r in ranges.items() if p not in out}))
+    for path in sorted(set(ranges) - set(out)):
+        if zipfile.is_zipfile(path):
+            out[path] = [f"{path}: entry {entry} fails its CRC-32 check (the checksum torch wrote with it): the "
+                         "source file is damaged, copy it again" for entry in check_crc(path, ranges[path])]
+    return out
+
+
+def is_universal_dir(path: str) -> bool:
+    """``path`` is a DeepSpeed universal checkpoint (what ``hf-ckpt universal`` writes)."""
+    return universal.is_universal_dir(path)
 
 
 def declared_options() -> Dict[str, SourceOption]:
@@ -155,7 +179,7 @@ def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[s
         plan.notes.append("no config.json found next to the checkpoint: pass --config DIR, or the "
                           "exported directory will not load with from_pretrained")
     elif plan.adapter is None and source.MEMORY_NAMES:
-        if getattr(source, "TIED_UNDER_BOTH_NAMES", False):
+        if hook(source, "TIED_UNDER_BOTH_NAMES"):
             tie_embeddings(plan, ctx)
         drop_tied_aliases(plan, ctx)
         hub_layout.convert_plan(plan, ctx.config, use_cache=layout_cache)

@@ -45,7 +45,10 @@ def detect(path: str, tag: Optional[str] = None) -> bool:
 
 
 def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
-    d = os.path.abspath(_resolve(path, tag))
+    found = _resolve(path, tag)
+    if found is None:  # no universal checkpoint there: none of its places to look
+        return []
+    d = os.path.abspath(found)
     return [d, os.path.dirname(d), os.path.dirname(os.path.dirname(d))]
 
 

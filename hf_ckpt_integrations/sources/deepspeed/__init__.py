@@ -39,12 +39,13 @@ from .bf16_optimizer import plan_bf16_optimizer
 from .recorded import describe, recorded_dp, recorded_stage, write_aliases
 
 __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "ALLOWED", "detect", "config_candidates", "plan", "plan_mp_rank",
-           "resolve_tag_dir", "holds_checkpoint"]
+           "resolve_tag_dir", "holds_checkpoint", "UNIVERSAL", "universal_plan", "universal_files"]
 
 NAME = "deepspeed"
 LOOKS_FOR = "a DeepSpeed save (a 'latest' file, global_step* tag dirs, *_model_states.pt / *_optim_states.pt)"
 MEMORY_NAMES = True  # the model's own parameter names: the Hub-layout pass applies
 OPTIONS = (TP_RULES_OPTION,)
+UNIVERSAL = True  # hf-ckpt universal writes a universal checkpoint of a ZeRO save (SourceBase)
 
 
 def detect(path: str, tag: Optional[str] = None) -> bool:
@@ -92,6 +93,17 @@ def plan(ctx: PlanContext) -> ExportPlan:
     if config_dir is None and out.aliases:
         write_aliases(out)
     return out
+
+
+def universal_plan(ctx: PlanContext) -> ExportPlan:
+    """The plan a universal checkpoint is written from: :func:`plan` (the names are the module's)."""
+    return plan(ctx)
+
+
+def universal_files(tag_dir: str):
+    """``(optim, first model-states path)`` of ``tag_dir`` (:func:`find_rank_files`), for the universal writer."""
+    optim, models = find_rank_files(tag_dir)
+    return optim, models[0].get(None) or models[0].get(0)
 
 
 def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_dtype):

@@ -39,7 +39,7 @@ from .rank_files import MODEL_RE, OPTIM_RE, claim, model_name, optim_name, resol
 from .zero12 import plan_zero12
 
 __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "ALLOWED", "LAYER_RE", "detect", "needs_config", "config_candidates",
-           "plan", "universal_plan", "rank_files", "is_pipeline_tag"]
+           "plan", "universal_plan", "universal_files", "rank_files", "is_pipeline_tag", "UNIVERSAL"]
 
 NAME = "deepspeed-pipeline"
 LOOKS_FOR = "a DeepSpeed PipelineModule save (layer_XX[-model_YY]-model_states.pt beside mp_rank_XX files)"
@@ -53,6 +53,7 @@ OPTIONS = (
                  parse=load_map),
     TP_RULES_OPTION,
 )
+UNIVERSAL = True  # hf-ckpt universal writes a universal checkpoint of a pipeline save (SourceBase)
 
 LAYER_RE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 _ANY_LAYER_RE = re.compile(r"^layer_\d+(?:-[a-z]+_\d+)*-model_states\.pt$")
@@ -110,6 +111,12 @@ def rank_files(tag_dir: str):
     ``osd``; empty without ZeRO), ``models[mp]`` the path of ``mp_rank_{mp}_model_states.pt``."""
     _, models, optim = _list_files(tag_dir)
     return optim, models
+
+
+def universal_files(tag_dir: str):
+    """``(optim, first model-states path)`` of a pipeline tag dir (:func:`rank_files`), for the universal writer."""
+    optim, models = rank_files(tag_dir)
+    return optim, models[0]
 
 
 def _list_files(tag_dir):

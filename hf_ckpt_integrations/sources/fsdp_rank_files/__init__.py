@@ -43,7 +43,6 @@ from typing import Dict, List, Optional, Tuple
 from ... import guards
 from ...errors import CheckpointError, LayoutError, one_line, short_repr
 from ...formats import torch_files
-from ...formats.dtypes import MAX_NDIM
 from ...plan import Chunk, ExportPlan, TensorPlan, check_tiling
 from . import local
 from .placement import box_pieces, index_runs, local_indices
@@ -183,13 +182,6 @@ class _Shard:
         self.shape, self.dtype, self.chunks, self.describe = shape, dtype, chunks, describe
 
 
-def _ints(value, what, where) -> Tuple[int, ...]:
-    if type(value) not in (tuple, list) or len(value) > MAX_NDIM or not all(type(v) is int and v >= 0 for v in value):
-        raise LayoutError(f"{where}: {what} {short_repr(value)} is not a list of non-negative integers; the file is "
-                          "corrupt or crafted: copy it again from the training run")
-    return tuple(value)
-
-
 def _mesh(mesh, where, rank) -> Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[str, ...]]:
     """``(shape, this rank's coordinate, dim names)`` of a pickled DeviceMesh (torch 2.4 -> 2.13 keep
     the coordinate as ``_coordinate_on_dim``; the shape is the ``mesh`` tensor's, or since 2.9 the
@@ -202,13 +194,13 @@ def _mesh(mesh, where, rank) -> Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[st
         axes = layout.field("axes")
         if type(axes) is not tuple or not all(isinstance(a, TYPES["_FlatLayout"]) for a in axes):
             raise LayoutError(f"{where}: the device mesh layout {short_repr(axes)} is malformed; the file is corrupt")
-        shape = tuple(math.prod(_ints(a.field("shape"), "mesh axis", where)) for a in axes)
+        shape = tuple(math.prod(guards.dims(a.field("shape"), "mesh axis", where)) for a in axes)
     elif isinstance(mesh.field("mesh"), torch_files.TensorRef):
         shape = mesh.field("mesh").shape
     else:
         raise LayoutError(f"{where}: the device mesh records no shape (neither _layout nor mesh); written by a torch "
                           "release hf-ckpt does not know: please report it")
-    coord = _ints(mesh.field("_coordinate_on_dim"), "mesh coordinate", where)
+    coord = guards.dims(mesh.field("_coordinate_on_dim"), "mesh coordinate", where)
     recorded = mesh.field("_rank")
     if len(coord) != len(shape) or any(c >= s for c, s in zip(coord, shape)) or \
             (type(recorded) is int and recorded != rank):
@@ -240,7 +232,7 @@ def _describe(p) -> str:
 
 
 def _dtensor_shard(name, t: DTensorRef, where, rank) -> Tuple[_Shard, dict]:
-    shape = _ints(tuple(t.shape) if type(t.shape) in (tuple, list) else t.shape, f"{name} size", where)
+    shape = guards.dims(t.shape, f"{name} size", where)
     local = t.local
     spec = t.spec
     if not isinstance(local, torch_files.TensorRef) or not isinstance(spec, TYPES["DTensorSpec"]):
@@ -272,7 +264,7 @@ def _dtensor_shard(name, t: DTensorRef, where, rank) -> Tuple[_Shard, dict]:
 
 def _sharded_shard(name, t: ShardedRef, where, rank) -> _Shard:
     """A ShardedTensor's local shards, each placed at the offsets its ShardMetadata records."""
-    shape = _ints(tuple(t.shape) if type(t.shape) in (tuple, list) else t.shape, f"{name} size", where)
+    shape = guards.dims(t.shape, f"{name} size", where)
     if type(t.shards) is not list:
         raise LayoutError(f"{where}: ShardedTensor {name} has no list of local shards; the file is corrupt")
     chunks = []
@@ -280,8 +272,8 @@ def _sharded_shard(name, t: ShardedRef, where, rank) -> _Shard:
         ref, md = getattr(s, "field", lambda n: None)("tensor"), getattr(s, "field", lambda n: None)("metadata")
         if not isinstance(ref, torch_files.TensorRef) or not isinstance(md, TYPES["ShardMetadata"]):
             raise LayoutError(f"{where}: a local shard of {name} is {short_repr(s)}; the file is corrupt or crafted")
-        off = _ints(md.field("shard_offsets"), "shard offsets", where)
-        sizes = _ints(md.field("shard_sizes"), "shard sizes", where)
+        off = guards.dims(md.field("shard_offsets"), "shard offsets", where)
+        sizes = guards.dims(md.field("shard_sizes"), "shard sizes", where)
         dev = md.field("placement")
         owner = dev.field("_rank") if isinstance(dev, TYPES["_remote_device"]) else None
         if sizes != ref.shape or len(off) != len(shape) or ref.dtype != str(t.dtype) or \
