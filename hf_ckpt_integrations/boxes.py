@@ -161,7 +161,7 @@ def row_major_pieces(shape: Sequence[int], chunks: Sequence[Chunk]) -> Optional[
     shape = tuple(shape)
     if not shape:
         return [p for c in chunks for p in c.pieces]
-    out = []
+    out: List[Piece] = []
     for c in sorted(chunks, key=lambda c: c.offsets[0]):
         if any(o != 0 or s != d for o, s, d in zip(c.offsets[1:], c.sizes[1:], shape[1:])):
             return None
