@@ -416,11 +416,15 @@ def save_under_rules(module: Any, where: str = "device") -> Iterator[dict]:
     device = torch.device(DEVICE, index)
     torch.hfdev.set_device(index)  # as Accelerate and the Trainer do on a GPU
     swapped: list = []
+    MOVED.clear()
     try:
-        for owner in module.modules():
+        for prefix, owner in module.named_modules():
             for name, p in list(owner._parameters.items()):
                 if p is None:
                     continue
+                partitioned = hasattr(p, "ds_tensor") and getattr(p.ds_status, "name", "") == "NOT_AVAILABLE"
+                if (partitioned and not getattr(p, "ds_is_replaced_module", False)) or hasattr(p, "placements"):
+                    MOVED.append(f"{prefix}.{name}" if prefix else name)
                 if hasattr(p, "ds_tensor") and not getattr(p, "ds_is_replaced_module", False) and where == "device" \
                         and getattr(p, "_nccl_saved", None) is None:
                     p._nccl_saved = p.ds_tensor
@@ -442,6 +446,9 @@ def save_under_rules(module: Any, where: str = "device") -> Iterator[dict]:
 
 
 _MESHES: dict = {}
+# The parameters (state_dict names) of the last save_under_rules whose reads move device memory:
+# ZeRO-3 partitions the package sends, FSDP2 shards.
+MOVED: list = []
 
 
 def _on_fake_mesh(t: Any, device: Optional[torch.device]) -> Any:
@@ -459,3 +466,42 @@ def _on_fake_mesh(t: Any, device: Optional[torch.device]) -> Any:
         local = local.to(device)
     spec = DTensorSpec(_MESHES[key], tuple(t.placements), TensorMeta(t.shape, t.stride(), t.dtype))
     return _from_local_no_grad(local, spec)
+
+
+def engine_saves(save: Any, module: Any, out_dir: Any, variants: tuple = ("device", "cpu")) -> dict:
+    """In an engine script (trained on gloo/CPU), after its own save: ``save(dst)`` again for each
+    variant of :func:`save_under_rules` (``"device"``: partitions/shards on the device; ``"cpu"``:
+    offloaded), into ``out_dir/<variant>/``. The harness is installed here, rules off until each
+    save. Writes ``out_dir/rank<r>.json``: per variant ``outcome`` (``"ok"`` or ``"raised"`` with
+    ``error``), ``written_here`` (the files this rank wrote, when ``save`` returns a writer report),
+    and this rank's counts (``d2h``: bytes copied to the host; ``gathers``; ``peak``: device bytes).
+    A variant that raises is recorded, not raised: the other variants and the run go on."""
+    import json
+    from pathlib import Path
+
+    install(dist.get_world_size())
+    RULES["on"] = False
+    out_dir = Path(out_dir)
+    report = {}
+    for where in variants:
+        entry: dict = {}
+        try:
+            with save_under_rules(module, where):
+                got = save(out_dir / where)
+            entry.update(outcome="ok", written_here=_written_here(got))
+        except Exception as e:  # the test reads what each rank saw
+            entry.update(outcome="raised", error=f"{type(e).__name__}: {e}"[:3000])
+        entry.update(d2h=STATS["d2h"], gathers=STATS["gathers"], peak=STATS["peak"], moved=list(MOVED))
+        report[where] = entry
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def _written_here(report: Any) -> list:
+    """The files a writer report (or a PEFT save's report of reports) says this rank wrote."""
+    if not isinstance(report, dict):
+        return []
+    if "written_here" in report:
+        return list(report["written_here"])
+    return sorted(f for r in report.get("adapters", {}).values() for f in _written_here(r))
