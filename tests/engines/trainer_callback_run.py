@@ -159,6 +159,7 @@ def main():
     if args.fail_test:
         target = args.out / "run" / f"checkpoint-{args.steps}"
         before = tree_hash(target) if rank == 0 else None
+        real_write_shard = orchestrator.write_shard
         if rank == 1:
             def failing(path, tensors, progress=None):
                 raise OSError(28, "No space left on device (injected on rank 1)", path)
@@ -169,6 +170,7 @@ def main():
         except Exception as e:  # what a user's script would see on this rank
             seen = {"raised": True, "type": type(e).__name__, "message": str(e),
                     "failures": {str(k): v for k, v in getattr(e, "failures", {}).items()}}
+        orchestrator.write_shard = real_write_shard  # the disk is fine again for what follows
         torch.distributed.barrier()
         if rank == 0:
             seen["unchanged"] = tree_hash(target) == before
