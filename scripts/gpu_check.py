@@ -159,7 +159,7 @@ def path_autotp_zero3(out: str) -> list:
     world = dist.get_world_size()
     if world < 2:
         raise Skip("AutoTP needs two ranks or more")
-    config = {**ds_config(3), "tensor_parallel": {"autotp_size": world}, "train_batch_size": 1}
+    config = {**ds_config(3), "tensor_parallel": {"autotp_size": world}}
     model = tiny_llama()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     live_save(engine.module, out)
