@@ -13,7 +13,9 @@ the engine itself). Paths:
 - ``zero3-checkpoint``: ``engine.save_checkpoint`` then ``consolidate_checkpoint`` (the Trainer
   callback's path: planning on rank 0, the files read by every rank);
 - ``peft-zero3``: a LoRA adapter under ZeRO-3 (``save_adapter_live``), when peft is installed;
-- ``fsdp2`` / ``fsdp2-offload``: ``fully_shard`` without / with ``CPUOffloadPolicy`` (DTensor gathers).
+- ``fsdp2`` / ``fsdp2-offload``: ``fully_shard`` without / with ``CPUOffloadPolicy`` (DTensor gathers);
+- ``autotp-zero3``: DeepSpeed AutoTP over every rank under ZeRO-3 (the layers' own gathers, the
+  other parameters' partitions broadcast); skipped at world 1.
 
 Writes ``OUT/summary-world<N>.json`` (one entry per path: ``ok``, ``mismatch``, ``error`` or
 ``skipped``, with the peak GPU memory each rank allocated during the save) and exits 1 on any
@@ -46,7 +48,7 @@ def tiny_llama():
     return LlamaForCausalLM(config)
 
 
-def ds_config(stage, offload=False):
+def ds_config(stage: int, offload: bool = False) -> dict:
     zero = {"stage": stage}
     if offload:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
@@ -150,6 +152,27 @@ def path_peft_zero3(out):
     return compare(out, reference)
 
 
+def path_autotp_zero3(out: str) -> list:
+    import deepspeed
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+    world = dist.get_world_size()
+    if world < 2:
+        raise Skip("AutoTP needs two ranks or more")
+    config = {**ds_config(3), "tensor_parallel": {"autotp_size": world}}
+    model = tiny_llama()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    live_save(engine.module, out)
+    reference = {}  # DeepSpeed's own gather of each layer (ZeRO partitions first), as Accelerate's save does
+    for mname, mod in engine.module.named_modules():
+        own = list(mod.named_parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters([q for _, q in own], modifier_rank=None), \
+                GatherReplacedLayerParams([q for _, q in own], mod, enabled=True):
+            for n, q in own:
+                reference[f"{mname}.{n}" if mname else n] = q.detach().cpu().clone()
+    return compare(out, reference)
+
+
 class Skip(Exception):
     """This path does not apply here."""
 
@@ -181,6 +204,7 @@ PATHS = {
     "peft-zero3": path_peft_zero3,
     "fsdp2": path_fsdp2(False),
     "fsdp2-offload": path_fsdp2(True),
+    "autotp-zero3": path_autotp_zero3,
 }
 DEVICE = "cuda"
 

@@ -91,7 +91,7 @@ CASES = {
     "trainer-plain": ("trainer_plain.py", 1, []),
     # ConsolidatedCheckpointCallback (tests/test_trainer_callback.py); "-resume" resumes from "cb-z3".
     "cb-z3": ("trainer_callback_run.py", 2, ["--stage", "3", "--save-total-limit", "2", "--max-shard-size", "300KB",
-                                             "--final", "--fail-test"]),
+                                             "--final", "--fail-test", "--nccl-rules"]),
     "cb-z3-resume": ("trainer_callback_run.py", 2, ["--stage", "3", "--max-shard-size", "300KB",
                                                     "--resume-from", "cb-z3/run/checkpoint-4"]),
     # (Trainer refuses bf16=True on a CPU-only machine, so these train in fp32.)
@@ -169,7 +169,7 @@ CASES = {
     "fsdp2-trainer-cb-resume": ("fsdp_savetime.py", 2, ["--mode", "trainer-cb", "--resume-from",
                                                         "fsdp2-trainer-cb/run/checkpoint-2"]),
     # PEFT LoRA under the Trainer + callback + accelerator.save_model (tests/test_peft.py).
-    "peft-z3": ("peft_trainer_run.py", 2, ["--stage", "3"]),
+    "peft-z3": ("peft_trainer_run.py", 2, ["--stage", "3", "--nccl-rules"]),
     "peft-z3-gather": ("peft_trainer_run.py", 2, ["--stage", "3", "--gather-on-save", "--adapter-name", "mine"]),
     "peft-z2": ("peft_trainer_run.py", 2, ["--stage", "2", "--modules-to-save", "--rslora"]),
     # ZeRO-2 round_robin_gradients (tests/test_round_robin_layout.py): 2 and 3 ranks reorder the flat group.
@@ -238,6 +238,8 @@ def _cache_key(script: str) -> str:
     for refs in sorted({m.group(1) for s, _, a in CASES.values() if s == script for x in a
                         for m in [CASE_REF.match(str(x))] if m}):
         h.update(_cache_key(CASES[refs][0]).encode())  # a case built from another case's output
+    if "nccl_rules" in (ENGINES / script).read_text():  # saves again under NCCL's rules (issue 35)
+        paths.append(REPO / "tests" / "support" / "nccl_rules.py")
     if "hf_ckpt_integrations" in (ENGINES / script).read_text():
         # The run itself calls the package (save-time hooks): its code is part of the result.
         paths += sorted((REPO / "hf_ckpt_integrations").rglob("*.py"))

@@ -4,7 +4,8 @@ Three CPU processes save a ZeRO-3-partitioned model (tests/support/nccl_cases.py
 DeepSpeed attaches, read by the same ``live_tensors`` + ``write_distributed`` that
 ``accelerator.save_model`` runs) once per case: on plain gloo (the reference bytes), and under the
 rules — partitions on the device, offloaded to the CPU, a script that never calls ``set_device``, a
-rank out of device memory. A fourth process measures each rank's device bytes at world 8 on torch's
+rank out of device memory; and the same tensors as FSDP2 DTensors, on gloo and under the rules with
+the shards on the device or in CPU memory (``CPUOffloadPolicy``). A fourth process measures each rank's device bytes at world 8 on torch's
 fake process group. One launch for the whole module (about a minute on two cores).
 """
 
@@ -21,7 +22,8 @@ from tests.support.procs import wait_or_stop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 3
-CASES = ["gloo", "device", "device-loose", "device-counted", "offload", "offload-loose", "bare", "oom", "broadcast", "broadcast-offload"]
+CASES = ["gloo", "device", "device-loose", "device-counted", "offload", "offload-loose", "bare", "oom", "broadcast",
+         "broadcast-offload", "fsdp2-gloo", "fsdp2-device", "fsdp2-offload"]
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +154,42 @@ def test_tp_gather_holds_one_tensor_on_the_writer(runs, dim):
             assert m["extra_peak"] <= m["full"] + (m["piece"] if dim else 0) + 64, m
         else:
             assert m["bytes"] == m["d2h"] == 0 and m["extra_peak"] <= 64, (rank, m)
+
+
+def _host_bytes_written(out, case, written_here, skip=("steps",)):
+    """Bytes of the tensors in the files this rank wrote, except ``skip`` (plain CPU buffers read in place)."""
+    from safetensors import safe_open
+
+    total = 0
+    for name in written_here:
+        with safe_open(os.path.join(out, case, name), "pt") as f:
+            total += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys() if k not in skip)
+    return total
+
+
+@pytest.mark.parametrize("case", ["fsdp2-gloo", "fsdp2-device"])
+def test_fsdp2_dtensors_save_like_gloo(runs, case):
+    """FSDP2 DTensors (uneven ``Shard(0)``, a rank holding nothing) on gloo, and under the rules on a
+    fake-device mesh with the shards on the device: the same bytes as the ZeRO-3 reference."""
+    _saved_like_gloo(runs, case)
+
+
+def test_cpu_offloaded_fsdp2_shards_are_moved_to_the_mesh_device(runs):
+    """``CPUOffloadPolicy``: the local shards are in CPU memory while the mesh is the device's; each
+    is moved to this rank's device before ``full_tensor()`` (its all-gather refuses a CPU tensor), as
+    torch DCP does. (``fully_shard`` itself cannot run on the fake device: it sets each parameter's
+    ``.data`` to the device copy, and torch refuses ``set_data`` between a plain tensor and a Python
+    wrapper subclass; so the shards are built as ``fully_shard`` leaves them, tests/support/nccl_cases.py.)"""
+    _saved_like_gloo(runs, "fsdp2-offload")
+
+
+@pytest.mark.parametrize("case", ["fsdp2-device", "fsdp2-offload"])
+def test_fsdp2_each_tensor_gathered_once_and_only_the_writer_copies_to_the_host(runs, case):
+    """One all-gather per DTensor on every rank; each rank copies to the host exactly the bytes of
+    the DTensors it writes (the others gather, as the collective needs, and drop)."""
+    out, results, _ = runs
+    for r in range(WORLD):
+        res = results[case, r]
+        assert res["outcome"] == "ok", res.get("error", "")[:1500]
+        assert res["gathers"] == len(SHAPES), res
+        assert res["d2h"] == _host_bytes_written(out, case, res["written_here"]), (r, res)

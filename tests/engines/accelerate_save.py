@@ -7,6 +7,10 @@ hooked ``accelerator.save_model``: ``OUT/hf/`` (safetensors, sharded at 300KB), 
 (``safe_serialization=False``, sharded); for ZeRO-1/2 also ``OUT/bloat/pytorch_model.bin`` (a plain
 ``torch.save`` of a few live tensors, to show what seed 002 looks like);
 ``OUT/state/`` from ``accelerator.save_state`` (with the HF copy); ``OUT/metrics/rank{r}.json``.
+Under ZeRO-3 (with or without AutoTP) the hooked ``save_model`` runs again with NCCL's device rules
+on (tests/support/nccl_rules.py: the training stays on gloo, the rules apply to the save only), with
+the partitions on the (fake) device and offloaded to the CPU: ``OUT/nccl/{device,cpu}/`` and
+``OUT/nccl/rank{r}.json``; the same bytes as ``OUT/hf/`` (tests/test_nccl_engine_paths.py).
 """
 import argparse
 import os
@@ -110,6 +114,11 @@ def main():
     common_dir = args.out / "metrics"
     common_dir.mkdir(parents=True, exist_ok=True)
     common.write_json(common_dir / f"rank{rank}.json", metrics)
+    if stage == 3:
+        from tests.support import nccl_rules
+
+        nccl_rules.engine_saves(lambda dst: accelerator.save_model(model, dst, max_shard_size="300KB"), module,
+                                args.out / "nccl")
     common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
 
 

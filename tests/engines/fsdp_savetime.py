@@ -3,7 +3,9 @@
 ``torchrun --standalone --nproc_per_node 2 fsdp_savetime.py OUT --mode accelerate-hooks|trainer-cb``.
 
 - ``accelerate-hooks``: ``install_accelerate_hooks(accelerator)`` right after ``Accelerator(...)``,
-  two steps, then ``accelerator.save_model(model, OUT/saved, max_shard_size="300KB")``.
+  two steps, then ``accelerator.save_model(model, OUT/saved, max_shard_size="300KB")``; that save
+  runs again with NCCL's device rules on (tests/support/nccl_rules.py), the shards on a fake-device
+  mesh, on the device and in CPU memory (``CPUOffloadPolicy``): ``OUT/nccl/{device,cpu}/``.
 - ``trainer-cb``: the Trainer under FSDP2 with ``ConsolidatedCheckpointCallback`` (saves at steps
   2 and 4); ``--resume-from CASE/run/checkpoint-N`` (relative to the case's parent) resumes
   another case's run from that checkpoint first.
@@ -18,6 +20,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fsdp_train  # noqa: E402
 
 
+def _with_nccl_saves(accelerator, out):
+    """``accelerator.save_model`` that, after its own save, saves again under NCCL's rules."""
+    hooked = accelerator.save_model
+
+    def save_model(model, save_directory, **kwargs):
+        from tests.support import nccl_rules
+
+        report = hooked(model, save_directory, **kwargs)
+        nccl_rules.engine_saves(lambda dst: hooked(model, str(dst), **kwargs), accelerator.unwrap_model(model), out)
+        return report
+
+    accelerator.save_model = save_model
+    return accelerator
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
@@ -27,7 +44,8 @@ def main():
     from hf_ckpt_integrations import ConsolidatedCheckpointCallback, install_accelerate_hooks
 
     if args.mode == "accelerate-hooks":
-        fsdp_train.run_accelerate(args.out, hooks=install_accelerate_hooks)
+        fsdp_train.run_accelerate(args.out, hooks=lambda accelerator: _with_nccl_saves(
+            install_accelerate_hooks(accelerator), args.out / "nccl"))
     else:
         resume = args.out.parent / args.resume_from if args.resume_from else None
         fsdp_train.run_trainer(args.out, callback=ConsolidatedCheckpointCallback(max_shard_size="300KB"),

@@ -10,7 +10,8 @@ from there, so ``adapter_config.json`` names it), ``OUT/run/checkpoint-N/`` (Tra
 adapter parameters gathered from the engine inside the save) and ``logits.safetensors`` (the PEFT
 model's logits on the probe input at that moment), ``OUT/acc/`` (``accelerator.save_model`` with
 ``install_accelerate_hooks`` after training) and ``OUT/metrics/rank{r}.json`` (peak RSS before
-and after each callback save).
+and after each callback save). ``--nccl-rules``: that ``save_model`` again with NCCL's device rules
+on (tests/support/nccl_rules.py), partitions on the device and offloaded: ``OUT/nccl/{device,cpu}/``.
 """
 import argparse
 import resource
@@ -44,6 +45,7 @@ def main():
     p.add_argument("--adapter-name", default="default")
     p.add_argument("--no-callback", action="store_true", help="the Trainer alone (what users get today)")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--nccl-rules", action="store_true")
     args = p.parse_args()
 
     common.init_cpu_deepspeed_state()
@@ -119,6 +121,11 @@ def main():
         before = rss_mb()
         trainer.accelerator.save_model(trainer.model_wrapped, str(args.out / "acc"))
         metrics["accelerate_save"] = {"peak_rss_before_mb": before, "peak_rss_after_mb": rss_mb()}
+        if args.nccl_rules:
+            from tests.support import nccl_rules
+
+            nccl_rules.engine_saves(lambda dst: trainer.accelerator.save_model(trainer.model_wrapped, str(dst)),
+                                    trainer.accelerator.unwrap_model(trainer.model_wrapped), args.out / "nccl")
     metrics["peak_rss_end_mb"] = rss_mb()
     (args.out / "metrics").mkdir(parents=True, exist_ok=True)
     common.write_json(args.out / "metrics" / f"rank{rank}.json", metrics)

@@ -10,6 +10,8 @@ own weights at save time, as in ``trainer_train.py``), ``OUT/reference/run.json`
 ``--final`` ``OUT/final/`` from ``hf_ckpt_integrations.integrations.trainer.save_model`` and
 ``OUT/reference/final/``; with ``--fail-test`` ``OUT/fail/rank{r}.json``: what each rank saw when
 rank 1 fails to write its shard. ``OUT/metrics/rank{r}.json``: seconds and peak RSS per rank.
+``--nccl-rules``: the callback's consolidation of the last checkpoint again (a copy without its HF
+weights), with NCCL's device rules on (tests/support/nccl_rules.py): ``OUT/nccl/device/``.
 """
 import argparse
 import hashlib
@@ -38,6 +40,26 @@ def dump(path, obj):
     common.write_json(path, obj)
 
 
+def consolidate_under_rules(cb, model, checkpoint, out):
+    """The callback's consolidation of ``checkpoint`` again, under NCCL's rules, into a copy of it
+    without the HF weights the callback wrote there (``out/device``)."""
+    import shutil
+
+    from tests.support import nccl_rules
+
+    def save(dst):
+        if rank() == 0:
+            shutil.copytree(checkpoint, dst, ignore=shutil.ignore_patterns("model*.safetensors", "model*.json"))
+        torch.distributed.barrier()
+        return cb._consolidate(str(dst), model)
+
+    nccl_rules.engine_saves(save, model, out, variants=("device",))
+
+
+def rank():
+    return torch.distributed.get_rank()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
@@ -55,6 +77,7 @@ def main():
                         "from OUT's parent (the test cache holds the earlier case there)")
     p.add_argument("--final", action="store_true")
     p.add_argument("--fail-test", action="store_true")
+    p.add_argument("--nccl-rules", action="store_true")
     args = p.parse_args()
 
     common.init_cpu_deepspeed_state()
@@ -136,6 +159,7 @@ def main():
     if args.fail_test:
         target = args.out / "run" / f"checkpoint-{args.steps}"
         before = tree_hash(target) if rank == 0 else None
+        real_write_shard = orchestrator.write_shard
         if rank == 1:
             def failing(path, tensors, progress=None):
                 raise OSError(28, "No space left on device (injected on rank 1)", path)
@@ -146,6 +170,7 @@ def main():
         except Exception as e:  # what a user's script would see on this rank
             seen = {"raised": True, "type": type(e).__name__, "message": str(e),
                     "failures": {str(k): v for k, v in getattr(e, "failures", {}).items()}}
+        orchestrator.write_shard = real_write_shard  # the disk is fine again for what follows
         torch.distributed.barrier()
         if rank == 0:
             seen["unchanged"] = tree_hash(target) == before
@@ -157,6 +182,8 @@ def main():
                        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
     if rank == 0:
         dump(args.out / "reference" / "run.json", run)
+    if args.nccl_rules:
+        consolidate_under_rules(cb, trainer.model, args.out / "run" / f"checkpoint-{args.steps}", args.out / "nccl")
     common.finish()  # barrier, then exit without teardown (CPU aborts at exit)
 
 

@@ -13,6 +13,8 @@ on this rank's fake device, ``set_device`` called as Accelerate/DeepSpeed do); `
 (partitions in CPU memory: ``offload_param: {device: cpu}``); ``bare`` (like ``device``, without
 ``set_device``); ``oom`` (rank 1 runs out of device memory at its first allocation while staging);
 ``broadcast``/``broadcast-offload``: every parameter read through the broadcast path;
+``fsdp2-*``: the same tensors as FSDP2 DTensors (on gloo; under the rules with the shards on the
+device, or in CPU memory as ``CPUOffloadPolicy`` leaves them);
 ``*-loose``: bare point-to-point allowed, to see the device rule alone; ``device-counted``: nothing
 refused, bytes counted (what each rank copies to the host, even on code that breaks the rules). ``memory``: per-rank device
 bytes at world 8 on torch's fake process group (:func:`memory`).
@@ -62,6 +64,29 @@ def build(rank, world, where):
     return module
 
 
+def build_fsdp2(rank: int, world: int) -> torch.nn.Module:
+    """The same tensors as FSDP2 holds them after training on gloo: DTensor parameters, each
+    ``Shard(0)`` over a CPU mesh of the world (``torch.chunk``'s split: uneven, a rank may hold
+    nothing). :func:`~tests.support.nccl_rules.save_under_rules` moves them to a fake-device mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh("cpu", list(range(world)))
+    module = torch.nn.Module()
+    for name, full in full_tensors().items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = getattr(module, owner_name, None)
+        if owner is None:
+            owner = torch.nn.Module()
+            setattr(module, owner_name, owner)
+        chunks = torch.chunk(full, world, dim=0)
+        local = chunks[rank].clone() if rank < len(chunks) else full[:0].clone()
+        t = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+        setattr(owner, attr, torch.nn.Parameter(t, requires_grad=False))
+    module.register_buffer("steps", torch.arange(4, dtype=torch.int64))
+    return module
+
+
 # case -> (partitions where, rules on, unbatched allowed, set_device called, rank that runs out of
 # memory, refusals on)
 CASES = {
@@ -75,6 +100,11 @@ CASES = {
     "oom": ("device", True, False, True, 1, True),
     "broadcast": ("device", True, False, True, None, True),
     "broadcast-offload": ("cpu", True, False, True, None, True),
+    # FSDP2 (DTensor parameters, :func:`build_fsdp2`): on a CPU mesh on gloo; on a fake-device mesh
+    # with the shards on the device; with the shards in CPU memory (``CPUOffloadPolicy``).
+    "fsdp2-gloo": ("cpu", False, False, True, None, True),
+    "fsdp2-device": ("device", True, False, True, None, True),
+    "fsdp2-offload": ("cpu", True, False, True, None, True),
 }
 
 
@@ -102,10 +132,14 @@ def run_case(case, rank, world, out_dir):
     try:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'init-' + case)}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=60))
-        module = build(rank, world, "cpu" if where == "cpu" else f"hfdev:{rank}")
+        module = None if case.startswith("fsdp2") else build(rank, world, "cpu" if where == "cpu" else f"hfdev:{rank}")
         from hf_ckpt_integrations.integrations._dist import write_distributed
         from hf_ckpt_integrations.sources.live import live_tensors, reads_are_collective
 
+        if case.startswith("fsdp2"):
+            nccl_rules.RULES["on"] = False  # built as training left it; the rules for the save only
+            result.update(_fsdp2_save(build_fsdp2(rank, world), os.path.join(out_dir, case), on, where))
+            return
         nccl_rules.reset_stats()
         if oom == rank:
             nccl_rules.fail_next_alloc(8)
@@ -125,6 +159,24 @@ def run_case(case, rank, world, out_dir):
             json.dump(result, f)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _fsdp2_save(module: torch.nn.Module, dst: str, rules: bool, where: str) -> dict:
+    """Save ``module`` (FSDP2) as ``accelerator.save_model`` does; under the rules when ``rules``."""
+    from tests.support import nccl_rules
+    from hf_ckpt_integrations.integrations._dist import write_distributed
+    from hf_ckpt_integrations.sources.live import live_tensors, reads_are_collective
+
+    def save():
+        report = write_distributed(live_tensors(module), dst, max_shard_size=64,
+                                   collective=reads_are_collective(module), what="save")
+        return {"outcome": "ok", "written_here": report["written_here"]}
+
+    if not rules:
+        return save()
+    with nccl_rules.save_under_rules(module, where) as stats:
+        out = save()
+    return {**out, "gathers": stats["gathers"]}
 
 
 def memory(out_dir, world=8, numel=8 * 1024):
