@@ -28,7 +28,7 @@ from ..guards import check_inside, plan_paths, source_root
 from ..supported_inputs import SRC_HINT
 from ..formats.names import CONFIG_NAME
 from ..plan import ExportPlan
-from . import dcp, deepspeed, fsdp_rank_files, hf_dir, hub_layout, peft, universal
+from . import dcp, deepspeed, fsdp_rank_files, hf_dir, hub_layout, megatron, peft, universal
 from .deepspeed import pipeline as deepspeed_pipeline
 from .fp32_modules import keep_for_plan
 from .passes import drop_tied_aliases, find_config_dir, finish_plan, tie_embeddings
@@ -51,6 +51,7 @@ def register(*sources) -> tuple:
 # In order: the first whose detect() claims the path reads it.
 SOURCES = register(
     universal,  # ds_to_universal output (the directory itself, or the tag naming one)
+    megatron,  # Megatron-Core (torch_dist is a DCP directory; verl's rank files share latest_checkpointed_iteration.txt)
     dcp,  # torch DCP (FSDP, Accelerate save_state, Trainer checkpoint-N under FSDP): before HF weights beside it
     fsdp_rank_files,  # per-rank torch.save FSDP state dicts (verl, SkyRL, Accelerate use_dcp=False)
     hf_dir,  # an HF directory, unless a DeepSpeed checkpoint also resolves there (its YIELDS_TO)
