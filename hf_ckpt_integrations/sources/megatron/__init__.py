@@ -127,6 +127,21 @@ def hf_config(args: Dict[str, Any]) -> Optional[dict]:
         return cfg
 
 
+def args_from_config(cfg: dict, where: str) -> Dict[str, Any]:
+    """The Megatron arguments an HF Llama/Qwen2 ``config.json`` stands for (a save without its args)."""
+    kind = cfg.get("model_type")
+    if kind not in ("llama", "mistral", "qwen2"):
+        raise CheckpointError(f"{where}: model_type {kind!r}; hf-ckpt maps Megatron saves to llama, mistral or qwen2")
+    heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
+    return {"num_layers": cfg.get("num_hidden_layers"), "hidden_size": hidden,
+            "ffn_hidden_size": cfg.get("intermediate_size"), "num_attention_heads": heads,
+            "group_query_attention": True, "num_query_groups": cfg.get("num_key_value_heads", heads),
+            "kv_channels": cfg.get("head_dim") or (hidden // heads if isinstance(hidden, int) and heads else None),
+            "untie_embeddings_and_output_weights": not cfg.get("tie_word_embeddings", True),
+            "normalization": "RMSNorm", "swiglu": True, "position_embedding_type": "rope",
+            "add_qkv_bias": kind == "qwen2" or bool(cfg.get("attention_bias")), "vocab_size": cfg.get("vocab_size")}
+
+
 def _check_config(cfg: dict, args: Dict[str, Any], where: str) -> None:
     """A given config.json must describe the model the args do (a mismatch names both values)."""
     for key, want in _dims(args).items():
@@ -146,6 +161,11 @@ def plan(ctx) -> ExportPlan:
     args = save.args
     cfg = ctx.config if ctx.config_dir is not None else None
     where = os.path.join(ctx.config_dir, "config.json") if ctx.config_dir else None
+    if not args:  # Megatron-Core 0.17+ (no common.pt): the config says what the args would
+        if cfg is None:
+            raise CheckpointError(f"{it}: no common.pt (Megatron-Core 0.17+ keeps the saved args inside the .distcp "
+                                  "files); pass --config DIR holding the model's config.json")
+        args = args_from_config(cfg, where)
     if cfg is not None:
         _check_config(cfg, args, where)
     fam = family(args)

@@ -140,10 +140,9 @@ def _read_torch_dist(ckpt_dir: str) -> Save:
                               "torch_dist backend (save with --ckpt-format torch_dist, or convert with "
                               "Megatron-LM's tools/checkpoint first)")
     common_path = os.path.join(ckpt_dir, COMMON)
-    if not os.path.isfile(common_path):
-        raise CheckpointError(f"{common_path}: missing; Megatron-Core 0.17+ keeps the common state inside the "
-                              ".distcp files, which hf-ckpt does not read yet: pass --config DIR and report it")
-    common = torch_files.load(common_path, allowed=LEGACY_ALLOWED)
+    # Megatron-Core 0.17+ writes no common.pt (its common state is a bytes entry of the .distcp files, not
+    # read here): the model's shape then comes from --config alone (the source's plan asks for it).
+    common = torch_files.load(common_path, allowed=LEGACY_ALLOWED) if os.path.isfile(common_path) else {}
     if not isinstance(common, dict):
         raise LayoutError(f"{common_path}: holds {short_repr(common)}, not Megatron's common state dict")
     args = _namespace(common.get("args"), common_path) if "args" in common else {}
