@@ -188,7 +188,9 @@ def plan(ctx) -> ExportPlan:
               "dp_size": _arg(args, "data_parallel_size"), "ep_size": _arg(args, "expert_model_parallel_size",
                                                                            default=1),
               "family": fam, "distributed_optimizer": bool(_arg(args, "use_distributed_optimizer")),
-              "padded_vocab_size": _arg(args, "padded_vocab_size"), **save.layout}
+              "padded_vocab_size": _arg(args, "padded_vocab_size"), **save.layout,
+              # inspect's "world" line: the model-parallel ranks are TP x PP (EP within them)
+              "mp_size": tp * pp, "mp_axis": f"Megatron TP {tp} x PP {pp}"}
     notes = [f"Megatron-Core {save.fmt} save, iteration {save.iteration}: TP {tp} x PP {pp} (DP {detail['dp_size']}, "
              f"EP {detail['ep_size']}); {len(save.tensors)} global tensors -> {len(tensors)} HF tensors ({fam})"]
     dtypes = {t.src_dtype for t in tensors}

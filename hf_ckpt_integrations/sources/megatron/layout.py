@@ -1,13 +1,13 @@
 """Megatron-Core's two checkpoint layouts, read inertly into one form: global tensors under the
 ``torch_dist`` names, each tiled by chunks of byte ranges.
 
-- ``torch_dist`` (``dist_checkpointing.save``, Megatron-LM ``--ckpt-format torch_dist``): a torch DCP
+- ``torch_dist`` (``dist_checkpointing.save``, Megatron-LM ``ckpt_format torch_dist``): a torch DCP
   directory whose ``.metadata`` also pickles Megatron's ``all_local_plans`` (``SavePlan`` s: read as
   inert records, :data:`..dcp.ALLOWED`), ``metadata.json`` naming the backend, and ``common.pt`` (the
   non-tensor state: ``args`` an ``argparse.Namespace``, ``iteration``). Transformer layers are
   **stacked**: ``decoder.layers.X`` has a leading axis of the global layer count; TP slices and
   pipeline stages are chunks at their global offsets.
-- legacy (``--ckpt-format torch``): ``iter_NNNNNNN/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``, one
+- legacy (``ckpt_format torch``): ``iter_NNNNNNN/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``, one
   ``torch.save`` dict per model-parallel rank (``model``: that rank's ``state_dict_for_save_checkpoint``,
   layers numbered within the stage; ``args``). Read here as the same global tensors: a layer's stage
   offset is the layer count of the stages before it, a TP slice lands at its rank's offset along the
@@ -137,7 +137,7 @@ def _read_torch_dist(ckpt_dir: str) -> Save:
     backend = meta.get("sharded_backend") if isinstance(meta, dict) else None
     if backend != "torch_dist":
         raise CheckpointError(f"{where_meta}: sharded backend {short_repr(backend)}; hf-ckpt reads Megatron's "
-                              "torch_dist backend (save with --ckpt-format torch_dist, or convert with "
+                              "torch_dist backend (save with ckpt_format torch_dist, or convert with "
                               "Megatron-LM's tools/checkpoint first)")
     common_path = os.path.join(ckpt_dir, COMMON)
     # Megatron-Core 0.17+ writes no common.pt (its common state is a bytes entry of the .distcp files, not
@@ -199,7 +199,7 @@ def _read_legacy(ckpt_dir: str) -> Save:
     eps = sorted({k[2] for k in ranks})
     if len(eps) > 1:
         raise CheckpointError(f"{ckpt_dir}: expert-parallel legacy files (mp_rank_TT_PPP_EEE); hf-ckpt reads "
-                              "legacy saves without expert parallelism (save with --ckpt-format torch_dist)")
+                              "legacy saves without expert parallelism (save with ckpt_format torch_dist)")
     tp, pp = len(tps), len(pps)
     for t in range(tp):
         for p in range(pp):
