@@ -181,6 +181,9 @@ CASES = {
     # DeepSpeed AutoEP on a tiny Mixtral, 2 experts x 2 layers over autoep_size 2 on 2 ranks (tests/test_autoep.py).
     "autoep-z1": ("ds_autoep_train.py", 2, ["--stage", "1"]),
     "autoep-z2-bf16": ("ds_autoep_train.py", 2, ["--stage", "2", "--dtype", "bf16"]),
+    # Megatron-Core 0.16.1 GPTModel saves (tests/test_megatron.py): one 4-rank launch writes every layout
+    # (TP 2, PP 2, TP 2 x PP 2, DP 4, tied) in both formats (torch_dist and legacy mp_rank_*), ~30 s.
+    "megatron": ("megatron_train.py", 4, []),
 
     # hf-ckpt universal, resumed under DeepSpeed's load_universal at another layout ("-to1": 1 rank...)
     # beside the same save resumed at its own layout ("-own"); "{case:X}" is case X's directory.
@@ -233,6 +236,11 @@ def _cache_key(script: str) -> str:
     for shared in ("fsdp_train", "ds_train", "ds_pipe_train", "ds_uc_resume"):  # a script that runs another's code is keyed by it too
         if f"import {shared}" in (ENGINES / script).read_text():
             paths.append(ENGINES / f"{shared}.py")
+    if script.startswith("megatron"):  # keyed here only, so adding it rebuilt no other case
+        try:
+            h.update(f"megatron-core={md.version('megatron-core')};".encode())
+        except md.PackageNotFoundError:
+            h.update(b"megatron-core=none;")
     if any(CASES[name][0] == script for name in ACCELERATE):
         paths += sorted(ACCELERATE_CONFIGS.iterdir())
     for refs in sorted({m.group(1) for s, _, a in CASES.values() if s == script for x in a

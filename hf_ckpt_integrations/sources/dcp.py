@@ -85,6 +85,11 @@ ALLOWED = {
     "torch.distributed._shard.sharded_tensor.metadata": {"TensorProperties": _RECORDS["TensorProperties"],
                                                          "MEM_FORMAT_ENCODING": _mem_format},
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo": _RECORDS["_StorageInfo"]},
+    # Megatron-Core's torch_dist keeps every rank's SavePlan in Metadata.all_local_plans (to reuse them
+    # on the next save): inert records, never read.
+    "torch.distributed.checkpoint.planner": {
+        **{n: record_type(n) for n in ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData")},
+        "WriteItemType": type("WriteItemType", (unpickler.EnumMember,), {"kind": "WriteItemType"})},
     "pathlib": {"PosixPath": _path, "PurePosixPath": _path, "WindowsPath": _path, "PureWindowsPath": _path,
                 "Path": _path},
 }

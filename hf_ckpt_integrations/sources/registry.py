@@ -30,7 +30,7 @@ from ..formats.names import CONFIG_NAME
 from ..plan import ExportPlan
 from ..convert import hub_layout
 from ..convert.passes import drop_tied_aliases, find_config_dir, finish_plan, tie_embeddings
-from . import dcp, deepspeed, fsdp_rank_files, hf_dir, peft, universal
+from . import dcp, deepspeed, fsdp_rank_files, hf_dir, megatron, peft, universal
 from .deepspeed import pipeline as deepspeed_pipeline
 from .fp32_modules import keep_for_plan
 from .protocol import PlanContext, SourceOption, check_source, hook, parse_options
@@ -52,6 +52,7 @@ def register(*sources) -> tuple:
 # In order: the first whose detect() claims the path reads it.
 SOURCES = register(
     universal,  # ds_to_universal output (the directory itself, or the tag naming one)
+    megatron,  # Megatron-Core (torch_dist is a DCP directory; verl's rank files share latest_checkpointed_iteration.txt)
     dcp,  # torch DCP (FSDP, Accelerate save_state, Trainer checkpoint-N under FSDP): before HF weights beside it
     fsdp_rank_files,  # per-rank torch.save FSDP state dicts (verl, SkyRL, Accelerate use_dcp=False)
     hf_dir,  # an HF directory, unless a DeepSpeed checkpoint also resolves there (its YIELDS_TO)
