@@ -18,12 +18,11 @@ The conversion layer of issue 36 (rules as data for every source) was not merged
 written; these rules are the same kind of data and move into it unchanged.
 """
 
-import itertools
-import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ... import boxes
 from ...errors import CheckpointError
-from ...plan import Chunk, TensorPlan, narrow_pieces, row_major_pieces
+from ...plan import Chunk, TensorPlan, row_major_pieces
 from .layout import GlobalTensor
 
 _LAYER = "model.layers.{L}."
@@ -45,29 +44,9 @@ RULES: Dict[str, Tuple[Tuple[str, str, object], ...]] = {"llama": _LLAMA, "qwen2
 
 
 def select_box(t: GlobalTensor, lo: Sequence[int], hi: Sequence[int]) -> List[Chunk]:
-    """The box ``[lo, hi)`` of ``t`` as chunks placed relative to ``lo``: each source chunk's part of
-    the box, its pieces the contiguous runs of that part in row-major order (metadata only)."""
-    out = []
-    for c in t.chunks:
-        a = [max(l, o) for l, o in zip(lo, c.offsets)]
-        b = [min(h, o + s) for h, o, s in zip(hi, c.offsets, c.sizes)]
-        if any(x >= y for x, y in zip(a, b)):
-            continue
-        rel_a = [x - o for x, o in zip(a, c.offsets)]
-        rel_b = [y - o for y, o in zip(b, c.offsets)]
-        n = len(c.sizes)
-        k = n - 1  # runs are contiguous over dims k.. (dims after k at full extent)
-        while k > 0 and rel_a[k] == 0 and rel_b[k] == c.sizes[k]:
-            k -= 1
-        strides = [math.prod(c.sizes[d + 1:]) for d in range(n)]
-        run = (rel_b[k] - rel_a[k]) * strides[k]
-        flat = list(c.pieces)
-        pieces = []
-        for idx in itertools.product(*(range(rel_a[d], rel_b[d]) for d in range(k))):
-            start = sum(i * strides[d] for d, i in enumerate(idx)) + rel_a[k] * strides[k]
-            pieces.extend(narrow_pieces(flat, start, run))
-        out.append(Chunk(tuple(pieces), tuple(x - l for x, l in zip(a, lo)), tuple(y - x for x, y in zip(a, b))))
-    return out
+    """The box ``[lo, hi)`` of ``t`` as chunks placed relative to ``lo`` (:func:`~..boxes.select_box`,
+    the one box helper: metadata only)."""
+    return boxes.select_box(t.shape, t.chunks, lo, hi)
 
 
 def _shift(chunks: List[Chunk], drop_lead: bool, row_at: int) -> List[Chunk]:
