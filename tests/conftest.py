@@ -366,6 +366,17 @@ def z2_trainer(engine_ckpt, tmp_path):
     return src
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_sd(tmp_path_factory):
+    """``(config dir, {name: tensor})`` of a tiny tied Llama (tests/support/dcp_build.py), the tied
+    ``lm_head.weight`` under its own name as FSDP state dicts hold it: the tests lay it out as the
+    synthetic DCP sources they need (no engine)."""
+    from dcp_build import tiny_llama
+
+    root = tmp_path_factory.mktemp("tiny-llama")
+    return root / "config", tiny_llama(root / "config")
+
+
 SECRET = "BEGIN-PRIVATE-KEY-do-not-share-4f1c"
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, assert_refused, hf_ckpt
+from helpers import REPO, assert_refused, export, hf_ckpt
 from hf_ckpt_integrations import cli, export_checkpoint
 from hf_ckpt_integrations.errors import CheckpointError
 from hf_ckpt_integrations.supported_inputs import INPUTS, markdown_table
@@ -83,8 +83,7 @@ def test_max_shard_size_as_save_pretrained_takes_it_and_byte_counts(text, size):
 
 
 def test_byte_count_shard_size_exports(ds_save, tmp_path):
-    r = hf_ckpt("export", ds_save, tmp_path / "out", "--max-shard-size", "5000", "--quiet")
-    assert r.returncode == 0, r.stderr
+    r = export(ds_save, tmp_path / "out", "--max-shard-size", "5000", "--quiet")
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # 5000 bytes: several shards
 
@@ -111,8 +110,7 @@ def test_config_may_be_the_file_or_its_directory(no_config_save, ds_save, tmp_pa
     conf.mkdir()
     shutil.copy(ds_save / "config.json", conf / "config.json")
     for i, given in enumerate([conf / "config.json", conf]):
-        r = hf_ckpt("export", no_config_save, tmp_path / f"out{i}", "--config", given, "--quiet")
-        assert r.returncode == 0, r.stderr
+        r = export(no_config_save, tmp_path / f"out{i}", "--config", given, "--quiet")
         assert (tmp_path / f"out{i}" / "config.json").is_file()
     (conf / "other.json").write_text("{}")
     assert_refused(hf_ckpt("export", no_config_save, tmp_path / "out9", "--config", conf / "other.json"),

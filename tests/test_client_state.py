@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import REPO, assert_bitwise_equal, hf_ckpt, load_safetensors
+from helpers import REPO, assert_bitwise_equal, export, load_safetensors
 from hf_ckpt_integrations.errors import CheckpointError, UnsafeCheckpointError
 from hf_ckpt_integrations.formats import torch_files, unpickler
 from hf_ckpt_integrations.sources.deepspeed import allowlist as deepspeed_allowlist
@@ -195,8 +195,7 @@ def test_a_deepspeed_save_with_client_state_exports_bitwise(tmp_path):
     model["args"] = _megatron_args()
     states.unlink()
     _save(model, states, "zip")
-    r = hf_ckpt("export", str(src / "ckpt"), str(tmp_path / "out"), "--config", str(src), "--quiet")
-    assert r.returncode == 0, r.stderr
+    r = export(str(src / "ckpt"), str(tmp_path / "out"), "--config", str(src), "--quiet")
     assert_bitwise_equal(load_safetensors(tmp_path / "out" / "model.safetensors"),
                          load_safetensors(src / "reference.safetensors"))
 

@@ -10,14 +10,12 @@ import types
 import pytest
 import torch
 
-from helpers import assert_refused, tree_digest
+from helpers import assert_refused, export, in_process
 
 transformers = pytest.importorskip("transformers")
 core = pytest.importorskip("transformers.core_model_loading")
 if not hasattr(core, "revert_weight_conversion"):
     pytest.skip("transformers 4.x: no Hub-layout pass, config.json is not built", allow_module_level=True)
-
-from hf_ckpt_integrations.cli import main as cli_main  # noqa: E402
 
 
 def _dcp_case(root, config, state=None):
@@ -33,28 +31,30 @@ def _dcp_case(root, config, state=None):
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
+def llama_dcp(tmp_path_factory):
     from tiny_adapters import tiny_config
 
     return _dcp_case(tmp_path_factory.mktemp("dcp"), tiny_config("llama"))
 
 
-def _export(case, tmp_path, capsys, edit=None):
-    config = tmp_path / "config"
+def _edited_config(case, directory, edit=None):
+    """A copy of ``case``'s config dir in ``directory/config`` with the fields of ``edit`` replaced."""
+    config = directory / "config"
     shutil.copytree(case.config, config)
     cfg = json.loads((config / "config.json").read_text())
     (config / "config.json").write_text(json.dumps({**cfg, **(edit or {})}))
+    return config
+
+
+def _export_with(case, tmp_path, capsys, edit=None):
+    """Export ``case`` with its config edited by ``edit``: (result, destination)."""
     dst = tmp_path / "out"
-    before = tree_digest(case.src)
-    capsys.readouterr()
-    rc = cli_main(["export", str(case.src), str(dst), "--config", str(config), "--quiet"])
-    err = capsys.readouterr().err
-    assert tree_digest(case.src) == before
-    return types.SimpleNamespace(returncode=rc, stderr=err), dst
+    return export(case.src, dst, "--quiet", config=_edited_config(case, tmp_path, edit), ok=False,
+                  run=in_process(capsys)), dst
 
 
-def test_the_matching_config_exports(llama, tmp_path, capsys):
-    r, dst = _export(llama, tmp_path, capsys)
+def test_the_matching_config_exports(llama_dcp, tmp_path, capsys):
+    r, dst = _export_with(llama_dcp, tmp_path, capsys)
     assert r.returncode == 0, r.stderr
     assert (dst / "model.safetensors").exists()
 
@@ -68,8 +68,8 @@ def test_the_matching_config_exports(llama, tmp_path, capsys):
     ({"vocab_size": 100}, "model.embed_tokens.weight is [96, 32] in the checkpoint but [100, 32] in the model"),
     ({"intermediate_size": 64}, "mlp.gate_proj.weight is [48, 32] in the checkpoint but [64, 32]"),
 ])
-def test_a_config_that_does_not_fit_the_checkpoint_is_refused(llama, tmp_path, capsys, edit, first):
-    r, dst = _export(llama, tmp_path, capsys, edit)
+def test_a_config_that_does_not_fit_the_checkpoint_is_refused(llama_dcp, tmp_path, capsys, edit, first):
+    r, dst = _export_with(llama_dcp, tmp_path, capsys, edit)
     assert_refused(r, match=("config.json", "does not have exactly the checkpoint's tensors", first), dst=dst)
 
 
@@ -81,29 +81,26 @@ def test_tied_embeddings_fit_as_save_pretrained_writes_them(tmp_path, capsys):
     cfg.tie_word_embeddings = True
     case = _dcp_case(tmp_path / "tied", cfg)
     (tmp_path / "tied" / "run").mkdir()
-    r, dst = _export(case, tmp_path / "tied" / "run", capsys)
+    r, dst = _export_with(case, tmp_path / "tied" / "run", capsys)
     assert r.returncode == 0, r.stderr
 
 
-def test_a_huge_layer_count_is_refused_before_the_build(llama, tmp_path, capsys):
+def test_a_huge_layer_count_is_refused_before_the_build(llama_dcp, tmp_path, capsys):
     """A 700-byte config with num_hidden_layers=100000 spun for minutes in the meta-model build."""
-    r, dst = _export(llama, tmp_path, capsys, {"num_hidden_layers": 100000})
+    r, dst = _export_with(llama_dcp, tmp_path, capsys, {"num_hidden_layers": 100000})
     assert_refused(r, match=("config.json", "num_hidden_layers=100000 is more than the checkpoint holds"), dst=dst)
-    r, dst = _export(llama, tmp_path / "nested", capsys, {"text_config": {"num_hidden_layers": 10**9}})
+    r, dst = _export_with(llama_dcp, tmp_path / "nested", capsys, {"text_config": {"num_hidden_layers": 10**9}})
     assert_refused(r, match=("config.json", "text_config.num_hidden_layers=1000000000"), dst=dst)
 
 
-def test_the_build_itself_is_bounded_by_the_checkpoint(llama, tmp_path):
+def test_the_build_itself_is_bounded_by_the_checkpoint(llama_dcp, tmp_path):
     """Whatever field makes the model large (here layers, with a checkpoint whose names claim many):
     the build is aborted once it registers more parameters than the checkpoint's tensors account for."""
     from hf_ckpt_integrations.errors import CheckpointError
     from hf_ckpt_integrations.sources.config_fit import bounded_build
     from hf_ckpt_integrations.sources.hub_layout import meta_model
 
-    config = tmp_path / "config"
-    shutil.copytree(llama.config, config)
-    cfg = json.loads((config / "config.json").read_text())
-    (config / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 500}))
+    config = _edited_config(llama_dcp, tmp_path, {"num_hidden_layers": 500})
     shapes = {"model.layers.999.self_attn.q_proj.weight": (32, 32), "model.norm.weight": (32,)}
     registered = []
     hook = torch.nn.modules.module.register_module_parameter_registration_hook(
@@ -117,14 +114,14 @@ def test_the_build_itself_is_bounded_by_the_checkpoint(llama, tmp_path):
     assert len(registered) < 500 * 9  # aborted long before the 500 layers were built
 
 
-def test_a_swallowed_abort_still_refuses(llama, tmp_path):
+def test_a_swallowed_abort_still_refuses(llama_dcp, tmp_path):
     """The builder (transformers, _model_for) may catch the abort and go on or raise something else:
     the bound still refuses on exit."""
     from hf_ckpt_integrations.errors import CheckpointError
     from hf_ckpt_integrations.sources.config_fit import bounded_build
 
     with pytest.raises(CheckpointError, match="describes a model with more than"):
-        with bounded_build(llama.config, {"model.layers.1.w": (1,)}):
+        with bounded_build(llama_dcp.config, {"model.layers.1.w": (1,)}):
             for _ in range(1000):
                 try:
                     torch.nn.Linear(1, 1, device="meta")

@@ -13,15 +13,10 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from helpers import REPO, assert_refused, hf_ckpt, leftovers, tree_digest
-
-
-def _leftovers(parent):
-    return sorted(p.name for p in Path(parent).iterdir() if ".hfckpt-" in p.name)
+from helpers import REPO, assert_refused, export, hf_ckpt, leftovers, tree_digest
 
 
 # ---------------------------------------------------------------- SIGKILL during export
@@ -62,10 +57,10 @@ def test_sigkill_at_random_points(engine_ckpt, tmp_path):
     for i in range(24):
         dtype = ("bf16", "fp32")[i % 2]  # alternate, so each run replaces a different complete export
         old = tree_digest(dst)
-        before = {n for n in _leftovers(tmp_path) if ".hfckpt-tmp-" in n}  # what earlier killed runs left
+        before = {n for n in leftovers(tmp_path) if ".hfckpt-tmp-" in n}  # what earlier killed runs left
 
         def staging():  # this run's own staging entries
-            return {n for n in _leftovers(tmp_path) if ".hfckpt-tmp-" in n} - before
+            return {n for n in leftovers(tmp_path) if ".hfckpt-tmp-" in n} - before
         proc = subprocess.Popen(_export_cmd(src, dst, config, dtype), cwd=REPO, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         if i % 3 == 0:
@@ -86,9 +81,8 @@ def test_sigkill_at_random_points(engine_ckpt, tmp_path):
         outcomes["killed-while-staging"] += bool(staging())
     # The kills must have landed inside the interesting window at least a few times.
     assert outcomes["killed-while-staging"] >= 3, outcomes
-    r = hf_ckpt("export", src, dst, "--config", config, "--overwrite", "--quiet")
-    assert r.returncode == 0, r.stderr
-    assert _leftovers(tmp_path) == [], "the next run must remove what killed runs left"
+    r = export(src, dst, "--config", config, "--overwrite", "--quiet")
+    assert leftovers(tmp_path) == [], "the next run must remove what killed runs left"
     assert hf_ckpt("verify", dst, "--against", src).returncode == 0
 
 
@@ -112,8 +106,7 @@ def test_disk_full_on_a_small_tmpfs(engine_ckpt, tmp_path):
     src, config = case / "ckpt", case / "config"
     with _small_tmpfs(tmp_path / "fs", "800k") as fs:
         dst = fs / "out"
-        r = hf_ckpt("export", src, dst, "--config", config, "--dtype", "bf16", "--quiet")
-        assert r.returncode == 0, r.stderr
+        r = export(src, dst, "--config", config, "--dtype", "bf16", "--quiet")
         before = tree_digest(dst)
         for target, extra in ((dst, ["--overwrite"]), (fs / "other", [])):
             r = hf_ckpt("export", src, target, "--config", config, "--quiet", *extra)
@@ -144,7 +137,7 @@ def test_disk_full_as_a_file_size_limit(engine_ckpt, tmp_path):
 def _wait_for_staging(parent, proc, timeout=60):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(".hfckpt-tmp-" in n for n in _leftovers(parent)):
+        if any(".hfckpt-tmp-" in n for n in leftovers(parent)):
             return
         assert proc.poll() is None, "the first export ended before it started staging"
         time.sleep(0.005)
@@ -171,7 +164,7 @@ def test_two_exports_into_one_destination(engine_ckpt, tmp_path, second):
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "another export into it is running" in lines[0] and str(first.pid) in lines[0]
-    assert _leftovers(tmp_path) == []
+    assert leftovers(tmp_path) == []
     assert hf_ckpt("verify", dst, "--against", src).returncode == 0
 
 
@@ -188,7 +181,7 @@ def test_two_exports_started_together(engine_ckpt, tmp_path):
     assert sorted(rc for rc, _ in results) == [0, 2], results
     err = next(e for rc, e in results if rc == 2).strip().splitlines()
     assert len(err) == 1 and ("another export into it is running" in err[0] or "already exists" in err[0]), err
-    assert _leftovers(tmp_path) == []
+    assert leftovers(tmp_path) == []
     assert hf_ckpt("verify", dst, "--against", src).returncode == 0
 
 

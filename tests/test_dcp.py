@@ -14,56 +14,16 @@ import io
 import os
 import pickle
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import assert_bitwise_equal, assert_refused, hf_ckpt, load_hf_state, load_safetensors, tree_digest
+from dcp_build import write_dcp
+from helpers import (assert_bitwise_equal, assert_refused, export, hf_ckpt, load_hf_state, load_safetensors,
+                    read_export, tree_digest)
 
 
 # ---------------------------------------------------------------- synthetic DCP directories
-
-
-def write_dcp(directory, tensors, *, nest=None, extra=None, stored=None):
-    """A DCP checkpoint of ``tensors`` (``{fqn: (full tensor, [(offsets, sizes), ...])}``), each chunk
-    torch.save'd into ``__<i % 2>_0.distcp`` at its recorded offset, as FileSystemWriter writes them.
-    ``nest``: the state dict was nested under this key (Accelerate's ``{"model": ...}``).
-    ``extra``: ``{fqn: value}`` of further metadata entries (bytes, optimizer tensors).
-    ``stored``: ``stored(fqn, j, piece) -> tensor`` saved instead of chunk ``j`` (a damaged save)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    streams = {0: io.BytesIO(), 1: io.BytesIO()}
-    sd_meta, storage, planner = {}, {}, {}
-    for i, (name, (full, chunks)) in enumerate(tensors.items()):
-        fqn = f"{nest}.{name}" if nest else name
-        planner[fqn] = (nest, name) if nest else (name,)
-        metas = []
-        for j, (offsets, sizes) in enumerate(chunks):
-            piece = full
-            for d, (o, s) in enumerate(zip(offsets, sizes)):
-                piece = piece.narrow(d, o, s)
-            stream = streams[(i + j) % 2]
-            start = stream.tell()
-            piece = piece.clone().contiguous()
-            torch.save(stored(fqn, j, piece) if stored else piece, stream)
-            storage[MetadataIndex(fqn, offsets)] = _StorageInfo(f"__{(i + j) % 2}_0.distcp", start,
-                                                                stream.tell() - start)
-            metas.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
-        sd_meta[fqn] = TensorStorageMetadata(TensorProperties(dtype=full.dtype), full.size(), metas)
-    for fqn, value in (extra or {}).items():
-        sd_meta[fqn] = BytesStorageMetadata() if value is None else value
-        planner[fqn] = tuple(fqn.split("."))
-    for rank, stream in streams.items():
-        (directory / f"__{rank}_0.distcp").write_bytes(stream.getvalue())
-    md = Metadata(state_dict_metadata=sd_meta, planner_data=planner, storage_data=storage, version="1.0.0")
-    with open(directory / ".metadata", "wb") as fh:
-        pickle.dump(md, fh)
-    return directory
 
 
 def _rows(n, ranks):
@@ -74,12 +34,6 @@ def _rows(n, ranks):
 
 def _dim0(full, ranks):
     return [((o,) + (0,) * (full.dim() - 1), (s,) + tuple(full.shape[1:])) for o, s in _rows(full.shape[0], ranks)]
-
-
-def _export(src, dst):
-    r = hf_ckpt("export", src, dst, "--weights-only")  # synthetic: no model config
-    assert r.returncode == 0, r.stderr
-    return {k: v for f in sorted(Path(dst).glob("*.safetensors")) for k, v in load_safetensors(f).items()}
 
 
 def test_synthetic_uneven_and_empty_shards_and_2d_split_export_bitwise(tmp_path):
@@ -93,8 +47,9 @@ def test_synthetic_uneven_and_empty_shards_and_2d_split_export_bitwise(tmp_path)
     s = torch.tensor(3.5)
     src = write_dcp(tmp_path / "dcp", {"a": (a, _dim0(a, 4)), "b": (b, _dim0(b, 4)), "c": (c, grid),
                                        "d": (d, blocks), "s": (s, [((), ())])},
-                    extra={"optimizer.param_groups.0.lr": None})
-    out = _export(src, tmp_path / "out")
+                    nest=None, extra={"optimizer.param_groups.0.lr": None})
+    export(src, tmp_path / "out", "--weights-only")  # synthetic: no model config
+    out = read_export(tmp_path / "out")
     assert set(out) == {"a", "b", "c", "d", "s"}
     for name, want in {"a": a, "b": b, "c": c, "d": d, "s": s}.items():
         assert out[name].dtype == want.dtype and torch.equal(out[name], want), name
@@ -108,7 +63,8 @@ def test_synthetic_nested_state_dict_keeps_the_models_own_prefix(tmp_path):
     w = torch.arange(12.0).view(4, 3)
     src = write_dcp(tmp_path / "state" / "pytorch_model_fsdp_0", {"model.embed.weight": (w, _dim0(w, 2))},
                     nest="model")
-    out = _export(tmp_path / "state", tmp_path / "out")
+    export(tmp_path / "state", tmp_path / "out", "--weights-only")
+    out = read_export(tmp_path / "out")
     assert list(out) == ["model.embed.weight"] and torch.equal(out["model.embed.weight"], w)
     assert src.is_dir()
 
@@ -124,7 +80,7 @@ def _mutate_metadata(src, fn):
 
 def _two_chunk_dcp(tmp_path):
     w = torch.arange(20.0).view(5, 4)
-    return write_dcp(tmp_path / "dcp", {"w": (w, _dim0(w, 2))})
+    return write_dcp(tmp_path / "dcp", {"w": (w, _dim0(w, 2))}, nest=None)
 
 
 def _refused(tmp_path, src, match):
@@ -229,8 +185,7 @@ def test_engine_export_is_bitwise_the_engines_full_state_dict(engine_ckpt, tmp_p
     src = root / ENGINE_CASES[case]
     digest = tree_digest(src)
     args = ["--config", root / "config"]  # (an FSDP checkpoint-N holds no config.json)
-    r = hf_ckpt("export", src, tmp_path / "out", *args)
-    assert r.returncode == 0, r.stderr
+    r = export(src, tmp_path / "out", *args)
     assert tree_digest(src) == digest
     reference = load_safetensors(root / "reference.safetensors")
     assert_bitwise_equal(load_hf_state(tmp_path / "out", torch.float32), reference)
@@ -272,8 +227,7 @@ def test_hf_writer_with_a_rank_file_missing_is_refused(engine_ckpt, tmp_path):
 def test_trainer_fsdp2_both_checkpoints_export(engine_ckpt, tmp_path):
     """checkpoint-2 exports too (no reference at step 2: it must load and differ from step 4)."""
     root = engine_ckpt("fsdp2-trainer")
-    r = hf_ckpt("export", root / "run" / "checkpoint-2", tmp_path / "out2", "--config", root / "config")
-    assert r.returncode == 0, r.stderr
+    r = export(root / "run" / "checkpoint-2", tmp_path / "out2", "--config", root / "config")
     state = load_hf_state(tmp_path / "out2", torch.float32)
     reference = load_safetensors(root / "reference.safetensors")
     assert set(state) >= set(reference)

@@ -7,30 +7,11 @@ storage entries sharing bytes (one chunk would be exported as the other). Synthe
 a tiny Llama, built in-process (tests/support/dcp_build.py).
 """
 
-import sys
-from pathlib import Path
-
 import pytest
+from dcp_build import grid, read_metadata, write_dcp, write_metadata
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
-from dcp_build import grid, read_metadata, tiny_llama, write_dcp, write_metadata  # noqa: E402
-
-from hf_ckpt_integrations.cli import main as cli_main  # noqa: E402
-from hf_ckpt_integrations.formats import torch_files  # noqa: E402
-from helpers import tree_digest  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dcp-integrity")
-    return root / "config", tiny_llama(root / "config")
-
-
-def _run(capsys, *args):
-    capsys.readouterr()
-    rc = cli_main([str(a) for a in args])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
+from hf_ckpt_integrations.formats import torch_files
+from helpers import export, export_refused, in_process
 
 
 def _early_archive_data(src):
@@ -48,36 +29,38 @@ def _early_archive_data(src):
 
 
 @pytest.mark.parametrize("layout", ["rows", "blocks"])
-def test_verify_checks_the_crc_of_every_chunk_of_a_distcp_file(llama, tmp_path, capsys, layout):
+def test_verify_checks_the_crc_of_every_chunk_of_a_distcp_file(tiny_llama_sd, tmp_path, capsys, layout):
     """A flipped bit in the data of the FIRST archive of a .distcp file: export copies it faithfully,
     and verify, which must prove the source too, reports that chunk failing its CRC-32."""
-    config, sd = llama
+    config, sd = tiny_llama_sd
     splits = (2,) if layout == "rows" else (2, 2)
     src = write_dcp(tmp_path / "src", {k: (v, grid(v.shape, splits)) for k, v in sd.items()}, files=1)
     path, at, start = _early_archive_data(src)
     raw = bytearray(path.read_bytes())
     raw[at] ^= 0x10
     path.write_bytes(bytes(raw))
-    rc, _, err = _run(capsys, "export", src, tmp_path / "out", "--config", config, "--quiet")
-    assert rc == 0, err
-    rc, out, _ = _run(capsys, "verify", tmp_path / "out", "--against", src, "--config", config)
-    assert rc == 1, out
+    run = in_process(capsys)
+    export(src, tmp_path / "out", "--quiet", config=config, run=run)
+    r = run("verify", tmp_path / "out", "--against", src, "--config", config)
+    out = r.stdout
+    assert r.returncode == 1, out
     assert "fails its CRC-32 check" in out and f"bytes {start}+" in out and "__0_0.distcp" in out, out
 
 
-def test_verify_passes_an_undamaged_multi_archive_source(llama, tmp_path, capsys):
-    config, sd = llama
+def test_verify_passes_an_undamaged_multi_archive_source(tiny_llama_sd, tmp_path, capsys):
+    config, sd = tiny_llama_sd
     src = write_dcp(tmp_path / "src", {k: (v, grid(v.shape, (2, 2))) for k, v in sd.items()}, files=1)
-    assert _run(capsys, "export", src, tmp_path / "out", "--config", config, "--quiet")[0] == 0
-    rc, out, _ = _run(capsys, "verify", tmp_path / "out", "--against", src, "--config", config)
-    assert rc == 0 and "ok:" in out, out
+    run = in_process(capsys)
+    export(src, tmp_path / "out", "--quiet", config=config, run=run)
+    r = run("verify", tmp_path / "out", "--against", src, "--config", config)
+    assert r.returncode == 0 and "ok:" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("how", ["same bytes", "overlapping"])
-def test_storage_entries_sharing_bytes_are_refused(llama, tmp_path, capsys, how):
+def test_storage_entries_sharing_bytes_are_refused(tiny_llama_sd, tmp_path, capsys, how):
     """Two chunks' storage entries pointing at the same (or overlapping) bytes of one file would
     export one tensor as a copy of the other: exit 2 naming the file and both tensors."""
-    config, sd = llama
+    config, sd = tiny_llama_sd
     src = write_dcp(tmp_path / "src", sd, files=1)
     md = read_metadata(src)
     by_fqn = {i.fqn: (i, info) for i, info in md.storage_data.items()}
@@ -90,10 +73,5 @@ def test_storage_entries_sharing_bytes_are_refused(llama, tmp_path, capsys, how)
         if k_info.offset < q_info.offset:
             k_info.length = q_info.offset - k_info.offset + 1
     write_metadata(src, md)
-    before = tree_digest(src)
-    rc, _, err = _run(capsys, "export", src, tmp_path / "out", "--config", config, "--quiet")
-    lines = err.strip().splitlines()
-    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "never share bytes" in lines[0] and "__0_0.distcp" in lines[0], lines[0]
-    assert "q_proj" in lines[0] and "k_proj" in lines[0], lines[0]
-    assert not (tmp_path / "out").exists() and tree_digest(src) == before
+    export_refused(src, tmp_path / "out", "--config", config, "--quiet", run=in_process(capsys),
+                   match=("never share bytes", "__0_0.distcp", "q_proj", "k_proj"))

@@ -11,16 +11,9 @@ import pytest
 import torch
 
 from hf_ckpt_integrations import export_checkpoint, inspect_checkpoint, verify_checkpoint
-from helpers import export_refused, hf_ckpt, load_safetensors
+from helpers import export_refused, hf_ckpt, load_safetensors, read_export
 
 pytestmark = pytest.mark.engine
-
-
-def _exported(directory):
-    out = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        out.update(load_safetensors(f))
-    return out
 
 
 def _assert_bitwise(out, reference):
@@ -38,7 +31,7 @@ def test_export_is_the_engines_fp32_weights(name, optimizer, stage, engine_ckpt,
     info = inspect_checkpoint(case / "ckpt", config=str(case / "config"))
     assert (info["zero_stage"], info["optimizer"], info["dp_size"]) == (stage, optimizer, 2)
     export_checkpoint(case / "ckpt", tmp_path / "hf", config=str(case / "config"))
-    _assert_bitwise(_exported(tmp_path / "hf"), load_safetensors(case / "reference" / "master.safetensors"))
+    _assert_bitwise(read_export(tmp_path / "hf"), load_safetensors(case / "reference" / "master.safetensors"))
     report = verify_checkpoint(tmp_path / "hf", case / "ckpt", config=str(case / "config"))
     assert report.ok, report.differences
 
@@ -47,7 +40,7 @@ def test_bf16_optimizer_bf16_export_is_the_module_weights(engine_ckpt, tmp_path)
     case = engine_ckpt("bf16opt-z1")
     export_checkpoint(case / "ckpt", tmp_path / "hf", dtype="bf16", config=str(case / "config"))
     state = load_safetensors(case / "reference" / "state.safetensors")
-    _assert_bitwise(_exported(tmp_path / "hf"), {n: t for n, t in state.items() if t.dtype == torch.bfloat16})
+    _assert_bitwise(read_export(tmp_path / "hf"), {n: t for n, t in state.items() if t.dtype == torch.bfloat16})
 
 
 def test_stage0_16bit_module_refused_by_what_it_is_or_exported_in_its_dtype(engine_ckpt, tmp_path):
@@ -57,7 +50,7 @@ def test_stage0_16bit_module_refused_by_what_it_is_or_exported_in_its_dtype(engi
     line = export_refused(case / "ckpt", tmp_path / "hf", "--config", case / "config")
     assert "ZeRO stage 0 (FP16_UnfusedOptimizer)" in line and "--dtype bf16" in line, line
     export_checkpoint(case / "ckpt", tmp_path / "hf16", dtype="bf16", config=str(case / "config"))
-    _assert_bitwise(_exported(tmp_path / "hf16"), load_safetensors(case / "reference" / "state.safetensors"))
+    _assert_bitwise(read_export(tmp_path / "hf16"), load_safetensors(case / "reference" / "state.safetensors"))
     assert verify_checkpoint(tmp_path / "hf16", case / "ckpt", config=str(case / "config")).ok
     info = inspect_checkpoint(case / "ckpt", config=str(case / "config"))
     assert (info["optimizer"], info["dtype_required"]["dtype"]) == ("FP16_UnfusedOptimizer", "bf16")
@@ -67,7 +60,7 @@ def test_stage0_16bit_module_refused_by_what_it_is_or_exported_in_its_dtype(engi
 def test_model_parallel_without_zero(name, engine_ckpt, tmp_path):
     case = engine_ckpt(name)
     export_checkpoint(case / "ckpt", tmp_path / "hf", config=str(case / "config"))
-    out = _exported(tmp_path / "hf")
+    out = read_export(tmp_path / "hf")
     if name == "autotp-z0":  # gathered from the engine's TP layers with DeepSpeed's own helper
         reference = load_safetensors(case / "reference" / "master.safetensors")
     else:  # every replica holds the whole fp32 module: the engine's own state dict, as saved
@@ -82,7 +75,7 @@ def test_module_without_config_writes_every_name(name, engine_ckpt, tmp_path):
     case = engine_ckpt(name)
     export_checkpoint(case / "ckpt", tmp_path / "hf", weights_only=True)
     state = load_safetensors(case / "reference" / "state.safetensors")  # module.state_dict(): head.weight too
-    out = _exported(tmp_path / "hf")
+    out = read_export(tmp_path / "hf")
     _assert_bitwise(out, state)
     sys_path_engines = __import__("ds_configs_train")  # the engine script's own module class
     model = sys_path_engines.TiedModule()
@@ -102,4 +95,4 @@ def test_exclude_frozen_parameters_listed_and_refused(engine_ckpt, tmp_path):
     assert "exclude_frozen_parameters=True" in line and "--allow-missing" in line and frozen[0] in line, line
     export_checkpoint(case / "ckpt", tmp_path / "hf", config=str(case / "config"), allow_missing=True)
     masters = load_safetensors(case / "reference" / "master.safetensors")
-    _assert_bitwise(_exported(tmp_path / "hf"), {n: t for n, t in masters.items() if n not in frozen})
+    _assert_bitwise(read_export(tmp_path / "hf"), {n: t for n, t in masters.items() if n not in frozen})

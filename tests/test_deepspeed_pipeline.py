@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_refused, export_refused, hf_ckpt, load_safetensors
+from helpers import assert_refused, export, export_refused, hf_ckpt, load_safetensors, read_export
 
 pytestmark = pytest.mark.engine
 
@@ -27,25 +27,12 @@ def _reference(run, kind="master"):
     return out
 
 
-def _export(run, dst, *args):
-    r = hf_ckpt("export", run / "ckpt", dst, "--config", run / "config", *args)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
-
-
-def _exported(dst):
-    out = {}
-    for f in dst.glob("*.safetensors"):
-        out.update(load_safetensors(f))
-    return out
-
-
 @pytest.mark.parametrize("case", sorted(PIPE_CASES))
 def test_export_is_the_gathered_masters_under_hf_names(engine_ckpt, tmp_path, case):
     run = engine_ckpt(case)
     dst = tmp_path / "hf"
-    _export(run, dst)
-    got, want = _exported(dst), _reference(run)
+    export(run / "ckpt", dst, config=run / "config")
+    got, want = read_export(dst), _reference(run)
     assert sorted(got) == sorted(want)
     for name, ref in want.items():
         assert got[name].dtype == torch.float32 and torch.equal(got[name], ref), name
@@ -60,7 +47,7 @@ def test_hf_logits_are_the_pipelines(engine_ckpt, tmp_path, case):
     tp, dtype, residual = PIPE_CASES[case]
     run = engine_ckpt(case)
     dst = tmp_path / "hf"
-    _export(run, dst, "--dtype", dtype)
+    export(run / "ckpt", dst, "--dtype", dtype, config=run / "config")
     want = load_safetensors(run / "reference" / "logits.safetensors")["logits"]
     ids = _probe(run)
     model = GPTNeoXForCausalLM.from_pretrained(dst, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
@@ -92,9 +79,8 @@ def test_the_other_residual_rule_gives_other_logits(engine_ckpt, tmp_path):
     c["use_parallel_residual"] = False
     (cfg / "config.json").write_text(json.dumps(c))
     dst = tmp_path / "hf"
-    r = hf_ckpt("export", run / "ckpt", dst, "--config", cfg)
-    assert r.returncode == 0, r.stderr
-    got = _exported(dst)
+    r = export(run / "ckpt", dst, "--config", cfg)
+    got = read_export(dst)
     want = _reference(run)
     name = "gpt_neox.layers.0.attention.dense.bias"
     assert torch.equal(got[name] * 2, want[name])  # one copy where the model adds two
@@ -120,10 +106,9 @@ def test_without_a_config_the_native_names_are_exported(engine_ckpt, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(run / "ckpt", src)
     dst = tmp_path / "hf"
-    r = hf_ckpt("export", src, dst, "--weights-only")
-    assert r.returncode == 0, r.stderr
+    r = export(src, dst, "--weights-only")
     assert "native pipeline names" in r.stderr + r.stdout
-    got = _exported(dst)
+    got = read_export(dst)
     want = _reference(run)
     assert len(got) == len(want)
     assert torch.equal(got["2.attention.query_key_value.weight"], want["gpt_neox.layers.0.attention.query_key_value.weight"])
@@ -162,9 +147,8 @@ def test_a_user_name_map_renames_and_a_name_it_misses_is_refused(engine_ckpt, tm
     mine = tmp_path / "map.json"
     mine.write_text(json.dumps(builtin))
     dst = tmp_path / "hf"
-    r = hf_ckpt("export", run / "ckpt", dst, "--source-option", f"name_map={mine}", "--weights-only")
-    assert r.returncode == 0, r.stderr
-    got = _exported(dst)
+    r = export(run / "ckpt", dst, "--source-option", f"name_map={mine}", "--weights-only")
+    got = read_export(dst)
     assert torch.equal(got["lm_head_of_my_fork.weight"], _reference(run)["embed_out.weight"])
     builtin["tensors"] = [e for e in builtin["tensors"] if e["layer"] != "norm.weight"]
     mine.write_text(json.dumps(builtin))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO
+from helpers import REPO, export, in_process
 
 FAMILY_CASES = [f"fam-{f}-z3" for f in ("llama", "gpt2", "t5", "bert", "mixtral", "qwen2_moe", "llava")]
 FAMILY_CASES.append("fam-mixtral-z2")
@@ -48,18 +48,12 @@ def assert_same_as_save_pretrained(got_dir, ref_dir):
         assert got[name][2] == data, f"{name}: bytes differ"
 
 
-def _export(case, dst):
-    from hf_ckpt_integrations import export_checkpoint
-
-    export_checkpoint(case / "ckpt", dst, config=case / "config")
-    return dst
-
-
 @pytest.mark.engine
 @pytest.mark.parametrize("name", FAMILY_CASES)
 def test_export_equals_save_pretrained(engine_ckpt, tmp_path, name):
     case = engine_ckpt(name)
-    out = _export(case, tmp_path / "out")
+    out = tmp_path / "out"
+    export(case / "ckpt", out, "--quiet", config=case / "config", run=in_process())
     assert_same_as_save_pretrained(out, case / "reference" / "hf")
     got, want = (json.loads((d / "config.json").read_text()) for d in (out, case / "reference" / "hf"))
     assert (got["architectures"], got["dtype"]) == (want["architectures"], want["dtype"])  # as save_pretrained sets
@@ -90,7 +84,8 @@ def test_moe_export_loads_in_transformers_5(engine_ckpt, tmp_path, name):
     from transformers import AutoModelForCausalLM
 
     case = engine_ckpt(name)
-    out = _export(case, tmp_path / "out")
+    out = tmp_path / "out"
+    export(case / "ckpt", out, "--quiet", config=case / "config", run=in_process())
     model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     ref = AutoModelForCausalLM.from_pretrained(case / "reference" / "hf", dtype=torch.float32)
@@ -120,7 +115,8 @@ print(json.dumps({"version": __import__("transformers").__version__,
 @pytest.mark.parametrize("name", ["fam-mixtral-z3", "fam-qwen2_moe-z3"])
 def test_moe_export_loads_in_transformers_4(engine_ckpt, tmp_path, name):
     case = engine_ckpt(name)
-    out = _export(case, tmp_path / "out")
+    out = tmp_path / "out"
+    export(case / "ckpt", out, "--quiet", config=case / "config", run=in_process())
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     ref = case / "reference" / "hf" / "model.safetensors"
     r = subprocess.run([str(CAI_PYTHON), "-c", _CAI_LOAD, str(out), str(ref)], capture_output=True, text=True,

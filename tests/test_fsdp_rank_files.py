@@ -17,7 +17,8 @@ import json
 import pytest
 import torch
 
-from helpers import assert_bitwise_equal, export_refused, hf_ckpt, load_hf_state, load_safetensors, tampered_copy
+from helpers import (assert_bitwise_equal, export, export_refused, hf_ckpt, load_hf_state, load_safetensors,
+                    tampered_copy)
 from hf_ckpt_integrations.sources.fsdp_rank_files import local_indices
 
 
@@ -62,8 +63,7 @@ def test_local_indices_are_torchs_own_split(shape, mesh, placements):
 
 
 def _check_export(case, src, out, *args):
-    r = hf_ckpt("export", src, out, *args)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = export(src, out, *args)
     ref = load_safetensors(case / "reference.safetensors")
     got = load_safetensors(out / "model.safetensors")
     assert set(got) == set(ref) - ({"lm_head.weight"} if "lm_head.weight" not in got else set())
@@ -304,8 +304,7 @@ def test_lora_actor_exports_the_adapter_peft_writes(tmp_path):
             torch.nn.init.normal_(p)  # lora_B starts at zero: an untrained adapter would prove nothing
     src = write_rank_files(tmp_path / "actor", {k: (v, [Shard(0)]) for k, v in model.state_dict().items()}, (2,))
     model.save_pretrained(tmp_path / "ref")
-    r = hf_ckpt("export", src, tmp_path / "out", "--config", tmp_path / "ref")
-    assert r.returncode == 0, r.stderr
+    r = export(src, tmp_path / "out", "--config", tmp_path / "ref")
     want = load_safetensors(tmp_path / "ref" / "adapter_model.safetensors")
     got = load_safetensors(tmp_path / "out" / "adapter_model.safetensors")
     assert set(got) == set(want) and want

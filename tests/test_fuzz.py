@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import tree_digest
+from helpers import leftovers, tree_digest
 from fuzz_bounds import Hang, exported_tensors, time_limit  # noqa: E402
 
 # ---------------------------------------------------------------- fuzzing
@@ -39,10 +39,6 @@ FUZZ_EXAMPLES = int(os.environ.get("HFCKPT_FUZZ_EXAMPLES", "0")) or None
 
 
 CASE_TIMEOUT_S = 30  # one fuzz case (export + verify of a 0.4 MB model); longer is a hang
-
-
-def _leftovers(parent):
-    return sorted(p.name for p in Path(parent).iterdir() if ".hfckpt-" in p.name)
 
 
 _FILES = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
@@ -116,7 +112,7 @@ class _Fuzz:
             if rc == 2:
                 lines = err.strip().splitlines()
                 assert len(lines) == 1 and lines[0].startswith("error: "), err
-                assert not dst.exists() and not _leftovers(self.root)
+                assert not dst.exists() and not leftovers(self.root)
                 self.outcomes["refused"] += 1
                 return "refused"
             assert rc == 0, err

@@ -18,7 +18,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import sys
 import types
 
@@ -34,6 +33,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from hf_ckpt_integrations.cli import main as cli_main  # noqa: E402
+from fuzz_bounds import time_limit  # noqa: E402
 
 FUZZ_EXAMPLES = int(os.environ.get("HFCKPT_FUZZ_EXAMPLES", "0")) or None
 CASE_TIMEOUT_S = 30  # one merge of a 30 KB model, plus at most a few bounded pattern matches
@@ -172,29 +172,6 @@ def _expected_scales(cfg, modules):
 # ---------------------------------------------------------------- running one case
 
 
-class _Hang(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def _time_limit(seconds):
-    """SIGALRM raises in Python code; a hang inside C (``re`` backtracking never returns to Python)
-    is caught by faulthandler, which kills the run with every thread's stack at twice the limit."""
-    import faulthandler
-
-    def on_alarm(signum, frame):
-        raise _Hang(f"no result after {seconds} s")
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(seconds)
-    faulthandler.dump_traceback_later(2 * seconds, exit=True, file=sys.__stderr__)
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
 class _Fuzz:
     def __init__(self, root):
         self.root = root
@@ -217,7 +194,7 @@ class _Fuzz:
         (self.src / "adapter_config.json").write_text(text, encoding="utf-8", errors="surrogatepass")
         dst = self.root / f"out{self.count}"
         capsys.readouterr()
-        with _time_limit(CASE_TIMEOUT_S):
+        with time_limit(CASE_TIMEOUT_S, memory=None):
             rc = cli_main(["export", str(self.src), str(dst), "--merge-adapters", "--base", str(self.base),
                            "--quiet"])
         err = capsys.readouterr().err

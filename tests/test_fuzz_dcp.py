@@ -17,12 +17,10 @@ import os
 import pickle
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 from dcp_build import grid, tiny_llama, write_dcp  # noqa: E402
 
 hypothesis = pytest.importorskip("hypothesis")

@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from helpers import hf_ckpt, load_safetensors
+from helpers import export, hf_ckpt, load_safetensors
 
 
 def test_bloated_bin_is_flagged_and_exported_lean(tmp_path):
@@ -19,8 +19,7 @@ def test_bloated_bin_is_flagged_and_exported_lean(tmp_path):
     info = json.loads(r.stdout)
     assert info["engine"] == "hf-directory" and info["tensor_count"] == 2
     assert "12,000 storage bytes for 8,000 tensor bytes" in info["notes"][0] and "bloated" in info["notes"][0]
-    r = hf_ckpt("export", src, tmp_path / "lean", "--quiet", "--weights-only")
-    assert r.returncode == 0, r.stderr
+    r = export(src, tmp_path / "lean", "--quiet", "--weights-only")
     out = load_safetensors(tmp_path / "lean" / "model.safetensors")
     assert all(torch.equal(out[k], v) for k, v in state.items())
     data = (tmp_path / "lean" / "model.safetensors").read_bytes()

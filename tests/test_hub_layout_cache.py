@@ -7,26 +7,22 @@ export cannot make verify agree. Synthetic DCP sources of a tiny Llama (tests/su
 
 import json
 import os
-import signal
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
-from dcp_build import tiny_llama, write_dcp  # noqa: E402
+from dcp_build import write_dcp  # noqa: E402
+from fuzz_bounds import time_limit  # noqa: E402
 
 from hf_ckpt_integrations.cli import main as cli_main  # noqa: E402
-from helpers import load_safetensors  # noqa: E402
+from helpers import export, in_process, read_export  # noqa: E402
 
 Q, K = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    root = tmp_path_factory.mktemp("layout-cache")
-    sd = tiny_llama(root / "config")
-    return write_dcp(root / "src", sd), root / "config", sd
+def source(tiny_llama_sd, tmp_path_factory):
+    config, sd = tiny_llama_sd
+    return write_dcp(tmp_path_factory.mktemp("layout-cache") / "src", sd), config, sd
 
 
 @pytest.fixture
@@ -37,23 +33,18 @@ def cache(tmp_path, monkeypatch):
     return d
 
 
-class _Hang(Exception):
-    pass
+def _within(seconds, run):
+    """``run`` (a CLI runner) with each call bounded in time: a hang fails instead of stalling the suite."""
+    def bounded(*args):
+        with time_limit(seconds, memory=None):
+            return run(*args)
+    return bounded
 
 
-def _export(capsys, src, config, dst, seconds=120):
-    def on_alarm(signum, frame):
-        raise _Hang(f"no result after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(seconds)
-    try:
-        capsys.readouterr()
-        rc = cli_main(["export", str(src), str(dst), "--config", str(config), "--quiet"])
-        return rc, capsys.readouterr().err
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+@pytest.fixture
+def run(capsys):
+    """The CLI in this process, its output captured, each call bounded in time."""
+    return _within(120, in_process(capsys))
 
 
 def _entry(cache):
@@ -78,23 +69,18 @@ def _poison(entry, sd, *, digest=True):
     os.chmod(entry, 0o600)
 
 
-def _exported(dst):
-    return {k: v for f in sorted(Path(dst).glob("*.safetensors")) for k, v in load_safetensors(f).items()}
-
-
 def _swapped(dst, sd):
-    got = _exported(dst)
+    got = read_export(dst)
     return got[Q].equal(sd[K]) and got[K].equal(sd[Q])
 
 
-def test_verify_derives_the_layout_itself(source, cache, tmp_path, capsys):
+def test_verify_derives_the_layout_itself(source, cache, tmp_path, run, capsys):
     """An entry with a valid digest (as if written by us) but a wrong name mapping misleads export;
     verify, which derives the layout afresh, reports the difference."""
     src, config, sd = source
-    assert _export(capsys, src, config, tmp_path / "first")[0] == 0
+    export(src, tmp_path / "first", "--quiet", config=config, run=run)
     _poison(_entry(cache), sd, digest=True)
-    rc, err = _export(capsys, src, config, tmp_path / "out")
-    assert rc == 0, err
+    export(src, tmp_path / "out", "--quiet", config=config, run=run)
     assert _swapped(tmp_path / "out", sd), "the cache entry was not used: this test proves nothing"
     capsys.readouterr()
     rc = cli_main(["verify", str(tmp_path / "out"), "--against", str(src), "--config", str(config)])
@@ -102,68 +88,63 @@ def test_verify_derives_the_layout_itself(source, cache, tmp_path, capsys):
     assert rc == 1 and f"{Q}: values differ from the source" in out, out
 
 
-def test_an_entry_whose_digest_does_not_match_is_a_miss(source, cache, tmp_path, capsys):
+def test_an_entry_whose_digest_does_not_match_is_a_miss(source, cache, tmp_path, run):
     src, config, sd = source
-    assert _export(capsys, src, config, tmp_path / "first")[0] == 0
+    export(src, tmp_path / "first", "--quiet", config=config, run=run)
     _poison(_entry(cache), sd, digest=False)
-    rc, err = _export(capsys, src, config, tmp_path / "out")
-    assert rc == 0, err
-    assert not _swapped(tmp_path / "out", sd) and _exported(tmp_path / "out")[Q].equal(sd[Q])
+    export(src, tmp_path / "out", "--quiet", config=config, run=run)
+    assert not _swapped(tmp_path / "out", sd) and read_export(tmp_path / "out")[Q].equal(sd[Q])
 
 
 @pytest.mark.parametrize("mode", [0o770, 0o707, 0o777])
-def test_a_cache_directory_others_can_write_is_not_used(source, cache, tmp_path, capsys, mode):
+def test_a_cache_directory_others_can_write_is_not_used(source, cache, tmp_path, run, mode):
     src, config, sd = source
-    assert _export(capsys, src, config, tmp_path / "first")[0] == 0
+    export(src, tmp_path / "first", "--quiet", config=config, run=run)
     _poison(_entry(cache), sd, digest=True)
     os.chmod(cache / "hub-layout", mode)
-    rc, err = _export(capsys, src, config, tmp_path / "out")
-    assert rc == 0, err
-    assert _exported(tmp_path / "out")[Q].equal(sd[Q]), "an entry from a directory others can write was used"
+    export(src, tmp_path / "out", "--quiet", config=config, run=run)
+    assert read_export(tmp_path / "out")[Q].equal(sd[Q]), "an entry from a directory others can write was used"
 
 
-def test_a_symlinked_entry_is_not_followed(source, cache, tmp_path, capsys):
+def test_a_symlinked_entry_is_not_followed(source, cache, tmp_path, run):
     src, config, sd = source
-    assert _export(capsys, src, config, tmp_path / "first")[0] == 0
+    export(src, tmp_path / "first", "--quiet", config=config, run=run)
     entry = _entry(cache)
     _poison(entry, sd, digest=True)
     planted = tmp_path / "planted.json"
     os.replace(entry, planted)
     os.symlink(planted, entry)
-    rc, err = _export(capsys, src, config, tmp_path / "out")
-    assert rc == 0, err
-    assert _exported(tmp_path / "out")[Q].equal(sd[Q]), "an entry reached through a symlink was used"
+    export(src, tmp_path / "out", "--quiet", config=config, run=run)
+    assert read_export(tmp_path / "out")[Q].equal(sd[Q]), "an entry reached through a symlink was used"
 
 
-def test_a_fifo_at_the_entry_path_is_a_miss_not_a_hang(source, cache, tmp_path, capsys):
+def test_a_fifo_at_the_entry_path_is_a_miss_not_a_hang(source, cache, tmp_path, run, capsys):
     src, config, sd = source
-    assert _export(capsys, src, config, tmp_path / "first")[0] == 0
+    export(src, tmp_path / "first", "--quiet", config=config, run=run)
     entry = _entry(cache)
     entry.unlink()
     os.mkfifo(entry, 0o600)
-    rc, err = _export(capsys, src, config, tmp_path / "out", seconds=60)
-    assert rc == 0, err
-    assert _exported(tmp_path / "out")[Q].equal(sd[Q])
+    export(src, tmp_path / "out", "--quiet", config=config, run=_within(60, in_process(capsys)))
+    assert read_export(tmp_path / "out")[Q].equal(sd[Q])
 
 
 @pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"answer": ' * 50_000 + "1" + "}" * 50_000,
                                   "not json", "", '{"key": 1}', "null"])
-def test_a_malformed_entry_is_a_miss_not_an_error(source, cache, tmp_path, capsys, text):
+def test_a_malformed_entry_is_a_miss_not_an_error(source, cache, tmp_path, run, text):
     src, config, sd = source
-    assert _export(capsys, src, config, tmp_path / "first")[0] == 0
+    export(src, tmp_path / "first", "--quiet", config=config, run=run)
     entry = _entry(cache)
     entry.write_text(text)
     os.chmod(entry, 0o600)
-    rc, err = _export(capsys, src, config, tmp_path / "out")
-    assert rc == 0, err
-    assert _exported(tmp_path / "out")[Q].equal(sd[Q])
+    export(src, tmp_path / "out", "--quiet", config=config, run=run)
+    assert read_export(tmp_path / "out")[Q].equal(sd[Q])
     e = json.loads(entry.read_text())  # rebuilt
     assert isinstance(e, dict) and e != {}
 
 
-def test_entries_are_owner_only_files(source, cache, tmp_path, capsys):
+def test_entries_are_owner_only_files(source, cache, tmp_path, run):
     src, config, _ = source
-    assert _export(capsys, src, config, tmp_path / "first")[0] == 0
+    export(src, tmp_path / "first", "--quiet", config=config, run=run)
     entry = _entry(cache)
     assert entry.stat().st_mode & 0o077 == 0 and not entry.is_symlink()
     assert sorted(p.name for p in (cache / "hub-layout").iterdir()) == [entry.name]  # no temp file left

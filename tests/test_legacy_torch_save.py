@@ -12,7 +12,7 @@ import pickle
 import pytest
 import torch
 
-from helpers import assert_bitwise_equal, export_refused, hf_ckpt, load_safetensors
+from helpers import assert_bitwise_equal, export, export_refused, load_safetensors
 from hf_ckpt_integrations.errors import CheckpointError, UnsafeCheckpointError
 from hf_ckpt_integrations.formats import torch_files, torch_legacy
 
@@ -45,8 +45,7 @@ def test_legacy_pytorch_model_bin_exports_bitwise(tmp_path):
     src.mkdir()
     sd = _state()
     _legacy(src / "pytorch_model.bin", sd)
-    r = hf_ckpt("export", src, tmp_path / "out", "--weights-only")
-    assert r.returncode == 0, r.stderr
+    r = export(src, tmp_path / "out", "--weights-only")
     assert_bitwise_equal(load_safetensors(tmp_path / "out" / "model.safetensors"), sd)
 
 
@@ -109,7 +108,6 @@ def test_deepspeed_legacy_serialization_exports_bitwise(engine_ckpt, tmp_path):
     case = engine_ckpt("z2-legacy")
     tag = case / "ckpt" / "global_step2"
     assert all(torch_files.is_legacy(p) for p in tag.glob("*.pt"))
-    r = hf_ckpt("export", case / "ckpt", tmp_path / "out", "--config", case / "config")
-    assert r.returncode == 0, r.stderr
+    r = export(case / "ckpt", tmp_path / "out", "--config", case / "config")
     assert_bitwise_equal(load_safetensors(tmp_path / "out" / "model.safetensors"),
                          load_safetensors(case / "reference" / "master.safetensors"))

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import assert_refused, export_refused, hf_ckpt, tree_digest
+from helpers import assert_refused, export, export_refused, hf_ckpt, tree_digest
 
 HANG = 120  # a FIFO read blocks forever: the subprocess is killed (the test fails) instead of hanging the suite
 
@@ -104,8 +104,7 @@ def test_a_hub_cache_snapshot_reads_its_blobs(tmp_path):
     snap = repo / "snapshots" / "rev1"
     snap.mkdir(parents=True)
     (snap / "model.safetensors").symlink_to("../../blobs/0123abcd")
-    r = hf_ckpt("export", snap, tmp_path / "out", "--weights-only")
-    assert r.returncode == 0, r.stderr
+    r = export(snap, tmp_path / "out", "--weights-only")
     assert all(load_safetensors(tmp_path / "out" / "model.safetensors")[k].equal(v) for k, v in sd.items())
 
 
@@ -142,8 +141,7 @@ def test_universal_entry_linked_inside_is_read(universal_src, tmp_path):
     victim = sorted(p.name for p in zero.iterdir() if p.is_dir())[0]
     shutil.move(zero / victim, uc / "moved")
     (zero / victim).symlink_to(uc / "moved", target_is_directory=True)
-    r = hf_ckpt("export", uc, tmp_path / "out")
-    assert r.returncode == 0, r.stderr
+    r = export(uc, tmp_path / "out")
 
 
 @pytest.mark.parametrize("damage", ["removed", "fifo"])

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import REPO, assert_refused, hf_ckpt, leftovers, tree_digest
+from helpers import REPO, assert_refused, export, hf_ckpt, leftovers, tree_digest
 
 from hf_ckpt_integrations import _staging, commit
 from hf_ckpt_integrations.api import export_checkpoint
@@ -41,15 +41,6 @@ def _fingerprint(path):
     return Path(path).read_bytes(), st.st_mtime_ns, st.st_size
 
 
-def _export(case, dst, *args):
-    return hf_ckpt("export", case / "ckpt", dst, "--config", case, *args)
-
-
-def _ok(r):
-    assert r.returncode == 0, r.stderr[-2000:]
-    return r
-
-
 # ---------------------------------------------------------------- names planted beside the destination
 
 
@@ -64,7 +55,7 @@ def test_planted_lock_is_refused_and_never_written(case, how):
         lock.symlink_to(victim)
     else:
         os.link(victim, lock)
-    line = assert_refused(_export(case, case / "out"), match=(str(lock), "not the lock file hf-ckpt makes"))
+    line = assert_refused(export(case / "ckpt", case / "out", config=case, ok=False), match=(str(lock), "not the lock file hf-ckpt makes"))
     assert ("symbolic link" if how == "symlink" else "hard link") in line
     assert _fingerprint(victim) == before
     assert not (case / "out").exists() and os.path.lexists(lock)
@@ -80,7 +71,7 @@ def test_entries_named_like_staging_are_left_alone(case, tmp_path):
     flat = case / ".out.hfckpt-tmp-3-ef"
     flat.mkdir()
     (flat / "notes.txt").write_text("mine")
-    r = _ok(_export(case, case / "out"))
+    r = export(case / "ckpt", case / "out", config=case)
     assert "left as it is (it has no valid owner marker of hf-ckpt)" in r.stderr
     assert os.path.islink(case / ".out.hfckpt-tmp-1-ab") and os.path.islink(case / ".out.hfckpt-tmp-2-cd")
     assert (flat / "notes.txt").read_text() == "mine"
@@ -136,7 +127,7 @@ def test_source_named_like_a_staging_directory_survives(case):
     src = case / ".out.hfckpt-tmp-123"
     shutil.copytree(case / "ckpt" / "global_step2", src)
     digest = tree_digest(src)
-    _ok(hf_ckpt("export", src, case / "out", "--config", case))
+    export(src, case / "out", config=case)
     assert tree_digest(src) == digest and (case / "out" / "model.safetensors").is_file()
 
 
@@ -168,7 +159,7 @@ def test_staging_of_a_dead_writer_is_removed(case):
     staging = proc.stdout.readline().strip()
     assert proc.wait(timeout=60) == 0
     assert os.path.isdir(staging) and os.path.isfile(staging + commit.OWNER_SUFFIX)
-    _ok(_export(case, case / "out"))
+    export(case / "ckpt", case / "out", config=case)
     assert leftovers(case) == []
 
 
@@ -177,7 +168,7 @@ def test_staging_of_a_live_writer_is_kept(case):
     try:
         staging = proc.stdout.readline().strip()
         assert os.path.isdir(staging)
-        r = _ok(_export(case, case / "out"))
+        r = export(case / "ckpt", case / "out", config=case)
         assert "still runs" in r.stderr and Path(staging).name in r.stderr
         assert (Path(staging) / "model.safetensors").read_bytes() == b"partial"
         assert os.path.isfile(staging + commit.OWNER_SUFFIX)

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import REPO, assert_refused, hf_ckpt, leftovers, load_safetensors, tree_digest
+from helpers import REPO, assert_refused, export, hf_ckpt, leftovers, load_safetensors, tree_digest
 
 from conftest import SECRET
 
@@ -131,8 +131,7 @@ def test_destination_exists(z2, tmp_path):
     r = hf_ckpt("export", src, dst, "--config", config)
     assert r.returncode == 2 and "already exists" in r.stderr and "--overwrite" in r.stderr
     assert (dst / "keep.txt").read_text() == "mine"
-    r = hf_ckpt("export", src, dst, "--config", config, "--overwrite", "--quiet")
-    assert r.returncode == 0, r.stderr
+    r = export(src, dst, "--config", config, "--overwrite", "--quiet")
     assert sorted(p.name for p in dst.iterdir()) == ["config.json", "model.safetensors"]
 
 
@@ -160,13 +159,8 @@ def test_destination_that_is_holds_or_lies_in_the_source_is_refused(z2_trainer, 
         assert "source" in line or "empty path" in line, (name, line)
         assert tree_digest(z2_trainer) == before and sorted(os.listdir(z2_trainer.parent)) == listing, name
         assert leftovers(z2_trainer.parent) == [] and leftovers(z2_trainer) == [], name
-    assert hf_ckpt("verify", _export_ok(z2_trainer, z2_trainer.parent.parent / "ok"), "--against", z2_trainer).returncode == 0
-
-
-def _export_ok(src, dst, *extra):
-    r = hf_ckpt("export", src, dst, "--quiet", *extra)
-    assert r.returncode == 0, r.stderr
-    return dst
+    export(z2_trainer, z2_trainer.parent.parent / "ok", "--quiet")
+    assert hf_ckpt("verify", z2_trainer.parent.parent / "ok", "--against", z2_trainer).returncode == 0
 
 
 def test_config_dir_as_destination_is_refused(z2_trainer, engine_ckpt, tmp_path):
@@ -218,10 +212,11 @@ def test_destination_symlink_is_resolved_and_nothing_stale_is_left(z2_trainer, t
     """A destination that is a link to an earlier export: the export replaces the link's target,
     the link stays a link, and no temp entry is left next to either (today the swapped-out link
     was left behind as ``.link.hfckpt-tmp-PID``)."""
-    real = _export_ok(z2_trainer, tmp_path / "exports" / "v1", "--dtype", "bf16")
+    real = tmp_path / "exports" / "v1"
+    export(z2_trainer, real, "--quiet", "--dtype", "bf16")
     link = tmp_path / "current"
     link.symlink_to(real)
-    _export_ok(z2_trainer, link, "--overwrite")
+    export(z2_trainer, link, "--quiet", "--overwrite")
     assert link.is_symlink() and os.readlink(link) == str(real)
     assert load_safetensors(real / "model.safetensors")["lm_head.weight"].dtype == torch.float32
     assert leftovers(tmp_path) == [] and leftovers(real.parent) == []
@@ -242,7 +237,7 @@ def test_stale_sibling_removal_touches_only_what_a_writer_makes(z2_trainer, tmp_
     flat = tmp_path / ".out.hfckpt-tmp-3"
     flat.mkdir()
     (flat / "model.safetensors").write_bytes(b"partial")
-    _export_ok(z2_trainer, dst)
+    export(z2_trainer, dst, "--quiet")
     assert (keep / "precious.txt").read_text() == "keep me"
     assert (target / "file").read_text() == "keep me too"
     assert os.path.islink(tmp_path / ".out.hfckpt-tmp-2") and (flat / "model.safetensors").read_bytes() == b"partial"
@@ -258,8 +253,7 @@ def test_config_files_linked_out_of_the_tree_are_not_copied(z2_trainer, tmp_path
     (z2_trainer / "vocab" / "merges.txt").write_text("a b\n")
     (z2_trainer / "merges.txt").symlink_to(z2_trainer / "vocab" / "merges.txt")
     dst = tmp_path / "out"
-    r = hf_ckpt("export", z2_trainer, dst, "--quiet")
-    assert r.returncode == 0, r.stderr
+    r = export(z2_trainer, dst, "--quiet")
     warnings = r.stderr.splitlines()
     assert len(warnings) == 1 and warnings[0].startswith("warning: ") and "tokenizer.json" in warnings[0], r.stderr
     assert not (dst / "tokenizer.json").exists()

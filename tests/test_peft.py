@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import assert_refused, hf_ckpt, load_safetensors
+from helpers import assert_refused, export, hf_ckpt, load_safetensors
 
 peft = pytest.importorskip("peft")
 
@@ -205,8 +205,7 @@ def test_export_writes_adapter_dir_and_verify_compares_it(engine_ckpt, name, tmp
     assert r.returncode == 0, r.stderr
     assert "adapter     LORA r=4 alpha=8" in r.stdout and "targets     q_proj, v_proj" in r.stdout, r.stdout
     dst = tmp_path / "adapter"
-    r = hf_ckpt("export", ckpt, dst)
-    assert r.returncode == 0, r.stderr
+    r = export(ckpt, dst)
     assert sorted(p.name for p in dst.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     got = load_safetensors(dst / "adapter_model.safetensors")
     ref = load_safetensors(case / "reference" / "checkpoint-4" / "adapter.safetensors")
@@ -272,10 +271,8 @@ def test_merge_takes_base_from_adapter_config_else_refuses(engine_ckpt, tmp_path
     good.mkdir()
     cfg["base_model_name_or_path"] = str(case / "base")
     (good / "adapter_config.json").write_text(json.dumps(cfg))
-    r = hf_ckpt("export", ckpt, tmp_path / "m1", "--merge-adapters", "--config", good)
-    assert r.returncode == 0, r.stderr
-    r2 = hf_ckpt("export", ckpt, tmp_path / "m2", "--merge-adapters", "--base", case / "base")
-    assert r2.returncode == 0, r2.stderr
+    r = export(ckpt, tmp_path / "m1", "--merge-adapters", "--config", good)
+    r2 = export(ckpt, tmp_path / "m2", "--merge-adapters", "--base", case / "base")
     assert (tmp_path / "m1" / "model.safetensors").read_bytes() == (tmp_path / "m2" / "model.safetensors").read_bytes()
     # --base without --merge-adapters, and a non-LoRA adapter, are refused with one error line.
     assert_refused(hf_ckpt("export", ckpt, tmp_path / "m3", "--base", case / "base"), match="--merge-adapters",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_refused, export_refused, hf_ckpt, tree_digest
+from helpers import assert_refused, export, export_refused, hf_ckpt, tree_digest
 
 from conftest import SECRET
 
@@ -68,7 +68,7 @@ def test_partition_out_of_place_is_refused_by_the_placement_proof(committed_zero
 def test_dcp_chunk_stored_transposed_is_refused(tmp_path, stored):
     """A (4, 2) chunk saved as its (2, 4) transpose holds the same number of elements: only the
     shape check tells; saved as a column-major view of the right shape, only the layout does."""
-    from test_dcp import write_dcp
+    from dcp_build import write_dcp
 
     w = torch.arange(16.0).view(4, 4)
     blocks = [((0, 0), (4, 2)), ((0, 2), (4, 2))]
@@ -77,7 +77,7 @@ def test_dcp_chunk_stored_transposed_is_refused(tmp_path, stored):
         if j != 1:
             return piece
         return piece.t().contiguous() if stored == "transposed" else piece.t().contiguous().t()
-    src = write_dcp(tmp_path / "dcp", {"w": (w, blocks)}, stored=store)
+    src = write_dcp(tmp_path / "dcp", {"w": (w, blocks)}, nest=None, stored=store)
     with pytest.raises(CheckpointError) as e:
         api.export_checkpoint(src, tmp_path / "out")
     reason = _reason(e.value, src / "__1_0.distcp")  # chunk 1 of the first tensor
@@ -287,12 +287,6 @@ def test_partition_shorter_than_recorded(z2, tmp_path):
     _refused(src, tmp_path, config, match="partitions")
 
 
-def _export_ok(src, dst, *extra):
-    r = hf_ckpt("export", src, dst, "--quiet", *extra)
-    assert r.returncode == 0, r.stderr
-    return dst
-
-
 @pytest.mark.parametrize("content, match", [(b"\0" * 16, "16 NUL bytes"), (b"", "holds nothing"),
                                             (b"glob\nal\x1b[2J", "not a tag name"),
                                             (b"../../etc", "not a tag name"), (b"\xff\xfe", "not UTF-8")])
@@ -371,7 +365,8 @@ def test_unknown_model_type_and_auto_map_never_import_code(engine_ckpt, tmp_path
 @pytest.fixture
 def hf_export(z2_trainer, tmp_path):
     """An HF directory (three shards and an index) exported from the ZeRO-2 case."""
-    return _export_ok(z2_trainer, tmp_path / "hf", "--max-shard-size", "300KB")
+    export(z2_trainer, tmp_path / "hf", "--quiet", "--max-shard-size", "300KB")
+    return tmp_path / "hf"
 
 
 def _header_file(path, header, data=b""):

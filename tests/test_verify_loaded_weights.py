@@ -6,33 +6,31 @@ file beside a sharded export. Synthetic DCP sources of a tiny Llama (tests/suppo
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
-from dcp_build import tiny_llama, write_dcp  # noqa: E402
+from dcp_build import write_dcp  # noqa: E402
 
 from hf_ckpt_integrations.cli import main as cli_main  # noqa: E402
 from hf_ckpt_integrations.verify import loaded_weights  # noqa: E402
+from helpers import export, in_process  # noqa: E402
 
 NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def exported(tiny_llama_sd, tmp_path_factory):
     """(source, config, a sharded export, a single-file export of ANOTHER model)."""
+    config, sd = tiny_llama_sd
     root = tmp_path_factory.mktemp("loaded-weights")
-    sd = tiny_llama(root / "config")
     src = write_dcp(root / "src", sd)
     other = write_dcp(root / "other", {k: v + 1 for k, v in sd.items()})
-    assert cli_main(["export", str(src), str(root / "sharded"), "--config", str(root / "config"), "--quiet",
-                     "--max-shard-size", "4KB"]) == 0
-    assert cli_main(["export", str(other), str(root / "single"), "--config", str(root / "config"), "--quiet"]) == 0
+    export(src, root / "sharded", "--quiet", "--max-shard-size", "4KB", config=config, run=in_process())
+    export(other, root / "single", "--quiet", config=config, run=in_process())
     assert (root / "sharded" / "model.safetensors.index.json").is_file()
     assert (root / "single" / "model.safetensors").is_file()
-    return src, root / "config", root / "sharded", root / "single"
+    return src, config, root / "sharded", root / "single"
 
 
 def _verify(capsys, dst, src, config):

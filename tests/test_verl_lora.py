@@ -12,14 +12,13 @@ import shutil
 
 import torch
 
-from helpers import assert_bitwise_equal, export_refused, hf_ckpt, load_hf_state, load_safetensors
+from helpers import assert_bitwise_equal, export, export_refused, hf_ckpt, load_hf_state, load_safetensors
 
 
 def test_merge_without_base_is_pefts_merge(engine_ckpt, tmp_path):
     case = engine_ckpt("rank-verl-lora")
     out = tmp_path / "merged"
-    r = hf_ckpt("export", case / "ckpt", out, "--merge-adapters")
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = export(case / "ckpt", out, "--merge-adapters")
     ref = load_safetensors(case / "reference_merged.safetensors")
     full = load_safetensors(case / "reference_full.safetensors")
     base = {k.replace("base_model.model.", "").replace(".base_layer", ""): v for k, v in full.items() if "lora_" not in k}
@@ -40,8 +39,7 @@ def test_merge_without_base_is_pefts_merge(engine_ckpt, tmp_path):
 def test_adapter_export_uses_verls_lora_adapter_config(engine_ckpt, tmp_path):
     case = engine_ckpt("rank-verl-lora")
     out = tmp_path / "adapter"
-    r = hf_ckpt("export", case / "ckpt", out)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = export(case / "ckpt", out)
     assert_bitwise_equal(load_safetensors(out / "adapter_model.safetensors"),
                          load_safetensors(case / "reference_adapter.safetensors"))
     info = json.loads(hf_ckpt("inspect", case / "ckpt", "--json").stdout)
