@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,8 +10,8 @@ import torch
 
 from hf_ckpt_integrations.casts import can_cast, cast_array, iter_cast
 from hf_ckpt_integrations.plan import Piece
+from helpers import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 INT = {"F32": (np.uint32, torch.int32), "BF16": (np.uint16, torch.int16), "F16": (np.uint16, torch.int16)}
 

@@ -3,13 +3,13 @@ model, the fp32-kept modules, the TP merge rules) takes the config from the expo
 ``PlanContext``, which reads and validates it once (``guards.read_config``)."""
 
 import shutil
-from pathlib import Path
 
 import pytest
 
 from hf_ckpt_integrations import export_checkpoint, guards, inspect_checkpoint
+from helpers import REPO
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "deepspeed" / "0.19.8" / "zero2-palign"
+FIXTURE = REPO / "tests" / "fixtures" / "deepspeed" / "0.19.8" / "zero2-palign"
 
 
 @pytest.fixture

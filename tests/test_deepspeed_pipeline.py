@@ -62,7 +62,6 @@ def test_hf_logits_are_the_pipelines(engine_ckpt, tmp_path, case):
 def _probe(run):
     import sys
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "engines"))
     import common
 
     return common.fixed_batch(99, rank=0, vocab_size=1002)

@@ -17,8 +17,8 @@ import pytest
 
 import hf_ckpt_integrations
 from hf_ckpt_integrations.cli import build_parser
+from helpers import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 BLOCK = re.compile(r"```(\w+)\n(.*?)^\s*```", re.S | re.M)
 

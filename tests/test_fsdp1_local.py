@@ -54,7 +54,6 @@ def test_local_with_another_models_config_refused(local_case, tmp_path):
     """A config of another model (hidden 64): no FSDP layout of its parameters gives the recorded counts."""
     import sys
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "engines"))
     import common
 
     _, src = local_case
@@ -135,7 +134,6 @@ def test_unit_params_follow_fsdp1s_flattening_order():
     tied weight once, under its first name."""
     import sys
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "engines"))
     import common
     from hf_ckpt_integrations.sources.hub_layout import meta_model
 

@@ -20,6 +20,7 @@ import torch
 from helpers import (assert_bitwise_equal, export, export_refused, hf_ckpt, load_hf_state, load_safetensors,
                     tampered_copy)
 from hf_ckpt_integrations.sources.fsdp_rank_files import local_indices
+from rank_files_build import synthetic_layouts, write_rank_files
 
 
 # ---------------------------------------------------------------- placement arithmetic
@@ -178,58 +179,11 @@ def test_getattr_of_anything_else_refused(tmp_path):
 # ---------------------------------------------------------------- synthetic rank files (no engine run)
 
 
-def write_rank_files(directory, tensors, mesh_shape, *, world=None, local_of=None):
-    """verl-named rank files of ``tensors`` (``{name: (full tensor, placements)}``) as FSDP would hold
-    them on a ``mesh_shape`` mesh: each rank's DTensor built by torch (a fake process group, one rank at
-    a time) around the local shard torch's own placements cut. ``local_of(name, rank, local)``: what a
-    rank saves instead (a damaged save)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    world = world or int(torch.tensor(mesh_shape).prod())
-    directory.mkdir(parents=True, exist_ok=True)
-    for rank in range(world):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-        try:
-            mesh = init_device_mesh("cpu", tuple(mesh_shape))
-            coord = mesh.get_coordinate()
-            sd = {}
-            for name, (full, placements) in tensors.items():
-                local = full
-                for mesh_dim, p in enumerate(placements):
-                    if hasattr(p, "dim"):  # Shard and _StridedShard (not a Shard subclass in torch 2.13)
-                        local = p._split_tensor(local, mesh_shape[mesh_dim], with_padding=False)[0][coord[mesh_dim]]
-                local = local.contiguous().clone()
-                if local_of is not None:
-                    local = local_of(name, rank, local)
-                sd[name] = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape,
-                                              stride=full.stride())
-            torch.save(sd, directory / f"model_world_size_{world}_rank_{rank}.pt")
-        finally:
-            dist.destroy_process_group()
-    return directory
-
-
-def _layouts():
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(7, 6, generator=g), torch.randn(9, 4, generator=g).to(torch.bfloat16)
-    return {
-        "1d-uneven": ((4,), {"a": (a, [Shard(0)]), "b": (b, [Shard(1)])}),  # 2, 2, 2, 1 rows; 1-column shards
-        "hsdp": ((2, 2), {"a": (a, [Replicate(), Shard(0)]), "b": (b, [Replicate(), Shard(1)])}),
-        "fsdp-tp": ((2, 2), {"a": (a, [_StridedShard(0, split_factor=2), Shard(0)]), "b": (b, [Shard(0), Shard(1)])}),
-    }
-
-
 @pytest.mark.parametrize("layout", ["1d-uneven", "hsdp", "fsdp-tp"])
 def test_synthetic_layouts_export_bitwise(tmp_path, layout):
     from hf_ckpt_integrations import export_checkpoint
 
-    mesh, tensors = _layouts()[layout]
+    mesh, tensors = synthetic_layouts()[layout]
     src = write_rank_files(tmp_path / "actor", tensors, mesh)
     export_checkpoint(str(src), str(tmp_path / "out"), weights_only=True)  # synthetic: no model config
     got = load_safetensors(tmp_path / "out" / "model.safetensors")
@@ -237,7 +191,7 @@ def test_synthetic_layouts_export_bitwise(tmp_path, layout):
 
 
 def test_synthetic_diverged_replica_refused(tmp_path):
-    mesh, tensors = _layouts()["hsdp"]
+    mesh, tensors = synthetic_layouts()["hsdp"]
     src = write_rank_files(tmp_path / "actor", tensors, mesh,
                            local_of=lambda name, rank, t: t + 1 if (name, rank) == ("a", 3) else t)
     export_refused(src, tmp_path / "out", "--weights-only", match=("model_world_size_4_rank_3.pt",
@@ -252,7 +206,7 @@ def test_synthetic_partial_refused(tmp_path):
 
 
 def test_synthetic_missing_rank_and_world_size_refused(tmp_path):
-    mesh, tensors = _layouts()["1d-uneven"]
+    mesh, tensors = synthetic_layouts()["1d-uneven"]
     src = write_rank_files(tmp_path / "actor", tensors, mesh)
     (src / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 2}))
     export_refused(src, tmp_path / "out", match=("fsdp_config.json", "world_size 2"))
@@ -263,7 +217,7 @@ def test_synthetic_missing_rank_and_world_size_refused(tmp_path):
 
 def test_synthetic_shard_of_the_wrong_shape_refused(tmp_path):
     """A local shard that is not what its placements cut (a file of another save) is refused."""
-    mesh, tensors = _layouts()["1d-uneven"]
+    mesh, tensors = synthetic_layouts()["1d-uneven"]
     src = write_rank_files(tmp_path / "actor", tensors, mesh,
                            local_of=lambda name, rank, t: t[:1] if (name, rank) == ("a", 0) else t)
     export_refused(src, tmp_path / "out", match=("model_world_size_4_rank_0.pt", "placements Shard(0)"))
@@ -277,7 +231,7 @@ def test_dtensor_stand_ins_belong_to_this_source_only(tmp_path, allowed):
     from hf_ckpt_integrations.sources import dcp
     from hf_ckpt_integrations.sources.deepspeed import allowlist
 
-    mesh, tensors = _layouts()["1d-uneven"]
+    mesh, tensors = synthetic_layouts()["1d-uneven"]
     src = write_rank_files(tmp_path / "actor", tensors, mesh)
     lists = {None: None, "dcp": dcp.ALLOWED, "deepspeed": allowlist.ALLOWED}
     with pytest.raises(UnsafeCheckpointError, match="refused for safety: its pickle asks for `torch"):
@@ -293,7 +247,6 @@ def test_lora_actor_exports_the_adapter_peft_writes(tmp_path):
     from transformers import LlamaForCausalLM
     from torch.distributed.tensor import Shard
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "engines"))
     import common
 
     torch.manual_seed(0)

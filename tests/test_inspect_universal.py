@@ -2,14 +2,13 @@
 own plan (committed checkpoints of real DeepSpeed engines, no engine run)."""
 
 import json
-from pathlib import Path
 
 import pytest
 
-from helpers import hf_ckpt
+from helpers import REPO, hf_ckpt
 from hf_ckpt_integrations.universal_writer import plan_universal, universal_summary
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
+FIXTURES = REPO / "tests" / "fixtures" / "deepspeed"
 
 
 @pytest.mark.parametrize("case,merge", [("0.14.4/zero2-replica", "replicas: one copy, the others checked"),

@@ -4,8 +4,9 @@ import counts, including those inside functions, since a lazy import only hides 
 
 import ast
 from pathlib import Path
+from helpers import REPO
 
-PKG = Path(__file__).resolve().parent.parent / "hf_ckpt_integrations"
+PKG = REPO / "hf_ckpt_integrations"
 ROOT = PKG.name
 
 

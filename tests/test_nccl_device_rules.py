@@ -18,8 +18,9 @@ import pytest
 
 from tests.support.nccl_cases import SHAPES
 from tests.support.procs import wait_or_stop
+from helpers import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 WORLD = 3
 CASES = ["gloo", "device", "device-loose", "device-counted", "offload", "offload-loose", "bare", "oom", "broadcast", "broadcast-offload"]
 

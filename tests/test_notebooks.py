@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from conftest import refuse_engine_launch
+from helpers import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 from run_notebooks import run_notebook, venv_of as _venv_of  # noqa: E402  (make notebooks runs the same)
 

@@ -11,7 +11,7 @@ from helpers import export_refused
 from hf_ckpt_integrations import guards
 from hf_ckpt_integrations.errors import LayoutError
 from hf_ckpt_integrations.sources.deepspeed import moe, pipeline, rank_files
-from test_fsdp_rank_files import _layouts, write_rank_files
+from rank_files_build import synthetic_layouts, write_rank_files
 
 
 def test_claim_file_names_both_and_the_one_to_remove():
@@ -32,7 +32,7 @@ def test_claim_file_names_both_and_the_one_to_remove():
 ])
 def test_fsdp_rank_files_two_files_for_one_rank_refused(tmp_path, names):
     """An edited copy of rank 1's file under another spelling of rank 1 used to be exported silently."""
-    mesh, tensors = _layouts()["1d-uneven"]
+    mesh, tensors = synthetic_layouts()["1d-uneven"]
     made = write_rank_files(tmp_path / "made", {"a": tensors["a"]}, (2,))
     src = tmp_path / "actor"
     src.mkdir()
@@ -76,7 +76,7 @@ def test_moe_two_files_for_one_expert_refused(tmp_path):
 
 def test_verl_rank_past_the_world_size_refused(tmp_path):
     """verl's names record the world size: rank 7 of a 2-rank save was ignored silently."""
-    mesh, tensors = _layouts()["1d-uneven"]
+    mesh, tensors = synthetic_layouts()["1d-uneven"]
     src = write_rank_files(tmp_path / "actor", {"a": tensors["a"]}, (2,))
     shutil.copy(src / "model_world_size_2_rank_1.pt", src / "model_world_size_2_rank_7.pt")
     export_refused(src, tmp_path / "out", match=("model_world_size_2_rank_7.pt", "rank 7 of a save of 2 ranks"))

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from hf_ckpt_integrations import export_checkpoint
+from helpers import REPO
 
 pytestmark = pytest.mark.engine
 
-REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = REPO / "tests" / "scripts" / "parallel_export.py"
 SHARD = "100KB"  # the tiny matrix model (~0.6 MB in fp32) then spans several shards
 

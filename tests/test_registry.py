@@ -10,8 +10,9 @@ import pytest
 from hf_ckpt_integrations.errors import CheckpointError
 from hf_ckpt_integrations.plan import ExportPlan, Piece, TensorPlan
 from hf_ckpt_integrations.sources import build_plan, registry
+from helpers import REPO
 
-PKG = Path(__file__).resolve().parent.parent / "hf_ckpt_integrations"
+PKG = REPO / "hf_ckpt_integrations"
 
 
 def test_every_source_has_the_protocol():

@@ -16,8 +16,9 @@ from hf_ckpt_integrations.errors import OptionError
 from hf_ckpt_integrations.plan import ExportPlan, Piece, TensorPlan
 from hf_ckpt_integrations.sources import build_plan, deepspeed, registry
 from hf_ckpt_integrations.sources.protocol import SourceOption, SourceProtocolError, tie_word_embeddings
+from helpers import REPO
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "deepspeed" / "0.19.8" / "zero2-palign"
+FIXTURE = REPO / "tests" / "fixtures" / "deepspeed" / "0.19.8" / "zero2-palign"
 
 
 # -- a toy source: one module that declares an option ---------------------------------------------

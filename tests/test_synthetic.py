@@ -6,15 +6,15 @@ partitions that cut through parameters, every rank's recorded param_slice_mappin
 """
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from hf_ckpt_integrations import export_checkpoint
 from hf_ckpt_integrations.sources import build_plan
+from helpers import REPO
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 from synth_ckpt import make_checkpoint  # noqa: E402
 
 

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import zipfile
 from collections import OrderedDict
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +21,8 @@ from hf_ckpt_integrations.errors import CheckpointError
 from hf_ckpt_integrations.formats import torch_files, torch_save_out
 from hf_ckpt_integrations.formats.dtypes import from_torch
 from hf_ckpt_integrations.formats.torch_save_out import OutTensor, TorchSize, archive_name, save
+from helpers import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "deepspeed"
 SHAPES = [(), (0,), (3,), (5, 7)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8]

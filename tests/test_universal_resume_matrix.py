@@ -11,15 +11,15 @@ losses on the same global batches.
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from helpers import REPO
 
 pytestmark = pytest.mark.engine
 
-FIXTURE_014 = Path(__file__).resolve().parent / "fixtures" / "deepspeed" / "0.14.4" / "zero2-replica"
+FIXTURE_014 = REPO / "tests" / "fixtures" / "deepspeed" / "0.14.4" / "zero2-replica"
 
 
 def _run(case):

@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import hf_ckpt
+from helpers import REPO, hf_ckpt
 from hf_ckpt_integrations import LayoutError, write_universal_checkpoint
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
+FIXTURES = REPO / "tests" / "fixtures" / "deepspeed"
 CASES = sorted(f"{v.name}/{c.name}" for v in FIXTURES.iterdir() if v.is_dir() for c in v.iterdir()
                if (c / "reference.safetensors").exists() and c.name != "trainer-zero3")
 

@@ -23,9 +23,8 @@ from hf_ckpt_integrations.commit import MergeIntoCheckpoint, SiblingSwap
 from hf_ckpt_integrations.errors import CheckpointError, DestinationError
 from hf_ckpt_integrations.orchestrator import write
 from hf_ckpt_integrations.plan import ExportPlan, LivePiece, Piece, TensorPlan
-from helpers import leftovers, load_safetensors
+from helpers import REPO, leftovers, load_safetensors
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _produced(name, shape, chunks):
