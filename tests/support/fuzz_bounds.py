@@ -1,5 +1,5 @@
 """What every fuzz case runs under: a time limit and a capped address space, and the exported
-tensors read back as bytes (shared by tests/test_fuzz.py and tests/test_fuzz_dcp.py)."""
+tensors read back as bytes (shared by tests/trust/test_fuzz.py and tests/trust/test_fuzz_dcp.py)."""
 
 import contextlib
 import os

@@ -26,7 +26,7 @@ def test_bad_options_and_arguments_give_one_error_line(z2_trainer, tmp_path):
         line = assert_refused(hf_ckpt("export", z2_trainer, dst, *args), match=match, dst=dst, src=z2_trainer, digest=digest)
         assert "\x1b" not in line
     assert_refused(hf_ckpt("export"), match="required")
-    assert hf_ckpt().returncode == 0  # nothing asked: the help (tests/test_cli_front_door.py)
+    assert hf_ckpt().returncode == 0  # nothing asked: the help (tests/cli/test_cli_front_door.py)
     assert_refused(hf_ckpt("frobnicate"), match="frobnicate")
     assert_refused(hf_ckpt("verify", dst), match="--against")
 

@@ -1,7 +1,7 @@
 """DeepSpeed layouts other than ZeRO's own optimizer, on synthetic metadata (milliseconds): no ZeRO
 (stage 0, the module weights whole), BF16_Optimizer's padded partitions, tied names found by shared
 storage, every name written without a config, and tensors a checkpoint does not hold. The same
-layouts from real engine runs: tests/test_deepspeed_configs.py."""
+layouts from real engine runs: tests/sources/deepspeed/test_deepspeed_configs.py."""
 
 import pytest
 import torch

@@ -45,7 +45,7 @@ def test_deepspeed_types_are_refused_by_every_other_list(pkl, allowed, tmp_path)
 
 def test_readers_lists_hold_only_their_own_modules():
     assert set(unpickler.CONTAINERS) == {"collections", "builtins"}
-    # client state (tests/test_client_state.py): inert records any torch.save file may hold beside tensors
+    # client state (tests/formats/test_client_state.py): inert records any torch.save file may hold beside tensors
     assert set(unpickler.CLIENT_STATE) == {
         "numpy", "numpy.core.multiarray", "numpy._core.multiarray", "_codecs", "argparse", "types", "pathlib",
         "pathlib._local", "megatron.model.enums", "megatron.core.enums", "megatron.core.transformer.enums"}

@@ -1,6 +1,6 @@
 """Mutated checkpoint files (zip bytes, pickled metadata values, the tree's structure, pickle opcodes)
 either export what ``verify`` accepts or are refused: never a traceback, a hang or a wrong tensor.
-``HFCKPT_FUZZ_EXAMPLES=N`` runs N cases per strategy (``make fuzz``); tests/test_fuzz_*.py hold more.
+``HFCKPT_FUZZ_EXAMPLES=N`` runs N cases per strategy (``make fuzz``); tests/trust/test_fuzz_*.py hold more.
 """
 
 import collections

@@ -94,7 +94,7 @@ def test_parallel_residual_save_keeps_each_ranks_row_bias(engine_ckpt, tmp_path)
 def test_a_save_without_zero_is_refused_like_any_save_without_zero(engine_ckpt, tmp_path):
     """No ZeRO: the torch optimizer's states are keyed by position, not name, and DeepSpeed loads a
     universal checkpoint through its ZeRO optimizers only: refused as for a plain stage-0 save
-    (tests/test_universal_refusals.py), nothing written."""
+    (tests/universal/test_universal_refusals.py), nothing written."""
     run = engine_ckpt("pipe-tp2-fp32-z0-par")
     dst = tmp_path / "uc"
     r = hf_ckpt("universal", run / "ckpt", dst, "--config", run / "config")

@@ -2,8 +2,8 @@
 inconsistent checkpoint, rank files out of place (the ZeRO-1/2 placement proof), DCP chunks that
 are not what ``.metadata`` records, a ``latest`` or ``config.json`` that is not what the engine wrote.
 Each refusal is one ``error:`` line naming the file and the reason (exit 2), nothing written, the
-source unchanged. Hostile files (budgets, code in pickles) are in tests/test_hostile_files.py, where an
-export may write in tests/test_output_safety.py.
+source unchanged. Hostile files (budgets, code in pickles) are in tests/trust/test_hostile_files.py, where an
+export may write in tests/writer/test_output_safety.py.
 """
 
 import json

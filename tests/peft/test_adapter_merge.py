@@ -1,7 +1,7 @@
 """``--merge-adapters`` equals PEFT's own ``merge_and_unload`` on a tiny LoRA model built here (plain and
 rsLoRA scaling): a checkpoint directory holding the PEFT model's state dict beside its
 adapter_config.json, merged into the base model saved beside it. In this process: no engine run
-(the engine runs of tests/test_peft.py check the same on real ZeRO-2/3 saves)."""
+(the engine runs of tests/peft/test_peft.py check the same on real ZeRO-2/3 saves)."""
 
 import shutil
 

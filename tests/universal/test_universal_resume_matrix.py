@@ -1,6 +1,6 @@
 """`hf-ckpt universal` resumed under the installed DeepSpeed's ``load_universal`` across ZeRO stages,
 precisions and releases: ZeRO-3 onto 3 ranks, bf16 ZeRO-2 and BF16_Optimizer onto 1 rank, a
-DeepSpeed 0.14.4 save onto 1 and 2 ranks (what cannot be resumed: tests/test_universal_refusals.py).
+DeepSpeed 0.14.4 save onto 1 and 2 ranks (what cannot be resumed: tests/universal/test_universal_refusals.py).
 
 The runs are tests/engines/ds_uc_resume.py (cases ``ucw-*`` in tests/conftest.py): ``-own`` loads
 the save at its own layout with DeepSpeed's ordinary loader, ``-toN`` through

@@ -187,7 +187,7 @@ def test_archive_names_stay_one_component(tmp_path):
 @pytest.mark.parametrize("case", ["0.18.9/zero2", "0.10.3/zero3"])
 def test_universal_never_imports_torch(case, tmp_path):
     """``hf-ckpt universal`` on a ZeRO save (no model-parallel merge) runs without torch; what it
-    writes torch.load reads (bitwise checks: tests/test_universal_writer.py)."""
+    writes torch.load reads (bitwise checks: tests/universal/test_universal_writer.py)."""
     src = FIXTURES / case
     dst = tmp_path / "uc" / "global_step2"
     code = ("import runpy, sys\n"
