@@ -56,10 +56,15 @@ def test_gap_overlap_and_out_of_bounds_are_named():
 
 def test_many_chunks_check_in_milliseconds():
     """A 64 x 64 grid (4096 chunks), shuffled: the sweep stays near N log N (no timing assertion:
-    this only has to finish; an O(N^2) check of every pair would still pass, slowly)."""
+    an O(N^2) check of every pair would still pass, slowly). What it must do at this size is decide:
+    the whole grid tiles, the grid less one chunk has a gap, one chunk twice overlaps."""
     chunks = _grid((640, 640), (64, 64))
     random.Random(0).shuffle(chunks)
     check_tiling((640, 640), chunks)
+    with pytest.raises(ValueError, match="a gap"):
+        check_tiling((640, 640), chunks[:2000] + chunks[2001:])
+    with pytest.raises(ValueError, match="overlap"):
+        check_tiling((640, 640), chunks[:2000] + chunks[2001:] + [chunks[0]])
 
 
 def test_tp_parts_are_chunks_along_the_cat_dim():
