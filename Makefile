@@ -42,7 +42,7 @@ test-main:
 	.venv/bin/python -m pytest tests -ra --durations=15 $(PYTEST_ARGS)
 
 # .venv-cai (transformers 4.51.3): the ColossalAI tests, and the save-time hooks again on that line.
-CAI_TESTS := tests/cai tests/test_trainer_callback.py tests/test_accelerate_hooks.py tests/test_peft.py
+CAI_TESTS := tests/cai tests/integrations/test_trainer_callback.py tests/integrations/test_accelerate_hooks.py tests/peft/test_peft.py
 test-cai:
 	.venv-cai/bin/python -m pytest $(CAI_TESTS) -ra --durations=10 $(PYTEST_ARGS)
 
@@ -69,7 +69,7 @@ bench-scale: setup
 	.venv/bin/python benchmarks/scale_bench.py --moe --rounds 1
 
 fuzz: setup
-	HFCKPT_FUZZ_EXAMPLES=$${HFCKPT_FUZZ_EXAMPLES:-5000} .venv/bin/python -m pytest tests/test_fuzz.py $(wildcard tests/test_fuzz_*.py) -q
+	HFCKPT_FUZZ_EXAMPLES=$${HFCKPT_FUZZ_EXAMPLES:-5000} .venv/bin/python -m pytest tests/trust/test_fuzz.py $(wildcard tests/trust/test_fuzz_*.py) -q
 
 mutants: setup
 	.venv/bin/python scripts/mutants.py $(MUTANTS_ARGS)

@@ -6,7 +6,7 @@ bit operations and yields the result: memory stays at a few chunk-sized buffers 
 nothing is mapped, and torch is never imported.
 
 Every result is bitwise equal to torch's ``Tensor.to`` as torch 2.x runs on an x86-64 CPU with
-AVX-512 (with AVX2 too, except the NaN bits of fp16 → fp32); ``tests/test_casts.py`` sweeps every
+AVX-512 (with AVX2 too, except the NaN bits of fp16 → fp32); ``tests/formats/test_casts.py`` sweeps every
 bit-pattern class and ~4M random patterns against the installed torch, and every 16-bit
 pattern exhaustively:
 

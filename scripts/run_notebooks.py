@@ -8,7 +8,7 @@ executed copy, outputs included, is written to ``build/notebooks/NAME.ipynb``, a
 working directory (its ``nb_*`` folder of checkpoints) is ``build/notebooks/work/NAME/``: both
 ignored by git, so the committed notebooks (kept without outputs) and the tree stay clean. The
 checkout's package is imported (``PYTHONPATH``), not whichever one the venv installed.
-tests/test_notebooks.py runs the same :func:`run_notebook` in a temporary directory.
+tests/project/test_notebooks.py runs the same :func:`run_notebook` in a temporary directory.
 """
 
 import argparse

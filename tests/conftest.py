@@ -89,7 +89,7 @@ CASES = {
     "trainer-z3": ("trainer_train.py", 2, ["--stage", "3"]),
     # A plain Trainer checkpoint-N (no DeepSpeed): model.safetensors beside optimizer.pt & co.
     "trainer-plain": ("trainer_plain.py", 1, []),
-    # ConsolidatedCheckpointCallback (tests/test_trainer_callback.py); "-resume" resumes from "cb-z3".
+    # ConsolidatedCheckpointCallback (tests/integrations/test_trainer_callback.py); "-resume" resumes from "cb-z3".
     "cb-z3": ("trainer_callback_run.py", 2, ["--stage", "3", "--save-total-limit", "2", "--max-shard-size", "300KB",
                                              "--final", "--fail-test", "--nccl-rules"]),
     "cb-z3-resume": ("trainer_callback_run.py", 2, ["--stage", "3", "--max-shard-size", "300KB",
@@ -97,7 +97,7 @@ CASES = {
     # (Trainer refuses bf16=True on a CPU-only machine, so these train in fp32.)
     "cb-z2-last": ("trainer_callback_run.py", 2, ["--stage", "2", "--cb-dtype", "bf16", "--checkpoints", "last"]),
     "cb-z3-gather": ("trainer_callback_run.py", 2, ["--stage", "3", "--gather-on-save", "--final"]),
-    # install_accelerate_hooks (tests/test_accelerate_hooks.py), launched by `accelerate launch`.
+    # install_accelerate_hooks (tests/integrations/test_accelerate_hooks.py), launched by `accelerate launch`.
     **{name: ("accelerate_save.py", None, []) for name in ACCELERATE},
     # Seed 000: an mpu whose model-parallel axis holds replicas (sequence parallel).
     "replica-z2": ("ds_parallel_train.py", 2, ["--mode", "replica", "--stage", "2"]),
@@ -110,7 +110,7 @@ CASES = {
     "z2-dp12": ("ds_train.py", 12, ["--stage", "2"]),
     "z3-dp12": ("ds_train.py", 12, ["--stage", "3"]),
     # DeepSpeed without ZeRO, its BF16_Optimizer, saves without frozen parameters, a plain nn.Module with
-    # tied parameters and no HF config (tests/test_deepspeed_configs.py).
+    # tied parameters and no HF config (tests/sources/deepspeed/test_deepspeed_configs.py).
     "z0-fp32": ("ds_configs_train.py", 2, ["--stage", "0"]),
     "z0-bf16": ("ds_configs_train.py", 2, ["--stage", "0", "--dtype", "bf16"]),
     "bf16opt-z1": ("ds_configs_train.py", 2, ["--stage", "1", "--dtype", "bf16", "--grad-accum", "fp32"]),
@@ -127,39 +127,39 @@ CASES = {
     "uc-tp-naive": ("ds_universal.py", 2, ["train", "--layout", "tp", "--info", "naive"]),
     "uc-dp-helper": ("ds_universal.py", 2, ["train", "--layout", "dp", "--info", "helper"]),
     "uc-dp-helper-resume": ("ds_universal.py", 1, ["resume", "--from", "uc-dp-helper"]),
-    # DeepSpeed PipelineModule saves in GPT-NeoX's layout (tests/test_deepspeed_pipeline.py): 2 stages x TP 2
+    # DeepSpeed PipelineModule saves in GPT-NeoX's layout (tests/sources/deepspeed/test_deepspeed_pipeline.py): 2 stages x TP 2
     # (parallel residual fp32, sequential bf16, fp32 without ZeRO) and 2 stages x DP 2, 4 ranks each.
     "pipe-tp2-fp32-par": ("ds_pipe_train.py", 4, ["--tp", "2", "--dtype", "fp32", "--residual", "parallel"]),
     "pipe-tp2-bf16-seq": ("ds_pipe_train.py", 4, ["--tp", "2", "--dtype", "bf16", "--residual", "sequential"]),
     "pipe-dp2-fp32-seq": ("ds_pipe_train.py", 4, ["--tp", "1", "--dtype", "fp32", "--residual", "sequential"]),
     "pipe-tp2-fp32-z0-par": ("ds_pipe_train.py", 4, ["--tp", "2", "--zero", "0", "--residual", "parallel"]),
-    # Seed 001's shape resumed through hf-ckpt universal (tests/test_pipeline_universal.py): 2 stages x TP 2
+    # Seed 001's shape resumed through hf-ckpt universal (tests/universal/test_pipeline_universal.py): 2 stages x TP 2
     # ZeRO-1 with the sequential residual (its function does not depend on the TP size) onto 1 rank.
     "pipe-tp2-fp32-seq": ("ds_pipe_train.py", 4, ["--tp", "2", "--dtype", "fp32", "--residual", "sequential"]),
     "ucw-pipe-tp2-seq-to1": ("ds_pipe_resume.py", 1, ["--from", "{case:pipe-tp2-fp32-seq}", "--pp", "1", "--tp", "1"]),
-    # The Hub-layout family matrix (tests/test_families.py): ZeRO-3 for every family, ZeRO-2 for an
+    # The Hub-layout family matrix (tests/passes/test_families.py): ZeRO-3 for every family, ZeRO-2 for an
     # MoE one, the Trainer callback and the live (Accelerate hook) save on an MoE one.
     **{f"fam-{f}-z3": ("family_train.py", 2, ["--family", f, "--stage", "3"])
        for f in ("llama", "gpt2", "t5", "bert", "mixtral", "qwen2_moe", "llava")},
     "fam-mixtral-z2": ("family_train.py", 2, ["--family", "mixtral", "--stage", "2"]),
     "fam-cb-qwen2_moe-z3": ("family_trainer_cb.py", 2, ["--family", "qwen2_moe", "--stage", "3"]),
-    # bf16 ZeRO-2 Trainer + callback on a class that keeps its routers in fp32 (tests/test_output_dtypes.py).
+    # bf16 ZeRO-2 Trainer + callback on a class that keeps its routers in fp32 (tests/passes/test_output_dtypes.py).
     "fam-cb-deepseek_v3-z2-bf16": ("family_trainer_cb.py", 2, ["--family", "deepseek_v3", "--stage", "2", "--bf16"]),
-    # torch DCP under FSDP2 (tests/test_dcp.py): plain fully_shard + dcp.save (vocab 1001 over 2 ranks),
+    # torch DCP under FSDP2 (tests/sources/dcp/test_dcp.py): plain fully_shard + dcp.save (vocab 1001 over 2 ranks),
     # Accelerate save_state, the Trainer's checkpoint-N.
     **{f"fsdp2-{m}": ("fsdp_train.py", 2, ["--mode", m]) for m in ("plain", "accelerate", "trainer")},
     # FSDP2 saved through torch's HuggingFaceStorageWriter (save_distributed: per-rank safetensors).
     "fsdp2-hf-writer": ("fsdp_hf_writer.py", 2, []),
     **{m: ("fsdp_train.py", 2, ["--mode", m]) for m in ("fsdp1", "fsdp1-flat")},  # FSDP1 SHARDED_STATE_DICT
-    # Per-rank torch.save FSDP2 state dicts (tests/test_fsdp_rank_files.py): verl's checkpoint manager
+    # Per-rank torch.save FSDP2 state dicts (tests/sources/fsdp/test_fsdp_rank_files.py): verl's checkpoint manager
     # (vocab 1001 on Shard(1)), and Accelerate's save_fsdp_model(use_dcp=False).
     "rank-verl": ("fsdp_rank_files.py", 2, ["--mode", "verl"]),
     "rank-accelerate": ("fsdp_rank_files.py", 2, ["--mode", "accelerate"]),
     "rank-accelerate-fsdp1": ("fsdp_rank_files.py", 2, ["--mode", "accelerate-fsdp1"]),  # ShardedTensor
     "rank-fsdp-tp": ("fsdp_rank_files.py", 4, ["--mode", "fsdp-tp"]),  # ("dp", "tp"): _StridedShard
-    # FSDP1 LOCAL_STATE_DICT (tests/test_fsdp1_local.py): flat parameters, use_orig_params off and on.
+    # FSDP1 LOCAL_STATE_DICT (tests/sources/fsdp/test_fsdp1_local.py): flat parameters, use_orig_params off and on.
     "rank-fsdp1-local": ("fsdp1_local.py", 2, []),
-    # verl's LoRA actor: FSDP2 rank files of a PeftModel + lora_adapter/ (tests/test_verl_lora.py).
+    # verl's LoRA actor: FSDP2 rank files of a PeftModel + lora_adapter/ (tests/sources/fsdp/test_verl_lora.py).
     "rank-verl-lora": ("verl_lora.py", 2, []),
     # DeepSpeed's "checkpoint_serialization": false: torch.save's legacy (non-zip) format.
     "z2-legacy": ("ds_legacy_save.py", 2, ["--stage", "2"]),
@@ -168,17 +168,17 @@ CASES = {
     "fsdp2-trainer-cb": ("fsdp_savetime.py", 2, ["--mode", "trainer-cb"]),
     "fsdp2-trainer-cb-resume": ("fsdp_savetime.py", 2, ["--mode", "trainer-cb", "--resume-from",
                                                         "fsdp2-trainer-cb/run/checkpoint-2"]),
-    # PEFT LoRA under the Trainer + callback + accelerator.save_model (tests/test_peft.py).
+    # PEFT LoRA under the Trainer + callback + accelerator.save_model (tests/peft/test_peft.py).
     "peft-z3": ("peft_trainer_run.py", 2, ["--stage", "3", "--nccl-rules"]),
     "peft-z3-gather": ("peft_trainer_run.py", 2, ["--stage", "3", "--gather-on-save", "--adapter-name", "mine"]),
     "peft-z2": ("peft_trainer_run.py", 2, ["--stage", "2", "--modules-to-save", "--rslora"]),
-    # ZeRO-2 round_robin_gradients (tests/test_round_robin_layout.py): 2 and 3 ranks reorder the flat group.
+    # ZeRO-2 round_robin_gradients (tests/sources/deepspeed/test_round_robin_layout.py): 2 and 3 ranks reorder the flat group.
     **{f"z2-round-robin-dp{n}": ("ds_round_robin.py", n, ["--dtype", "bf16"]) for n in (2, 3)},
-    # DeepSpeed MoE, 4 experts x 2 layers over ep_size 2 on 4 ranks (tests/test_moe_experts.py), in
+    # DeepSpeed MoE, 4 experts x 2 layers over ep_size 2 on 4 ranks (tests/sources/deepspeed/test_moe_experts.py), in
     # DeepSpeed's two rank orders of expert groups (the default E + D, and D + E).
     "moe-z2-ep2": ("ds_moe_train.py", 4, ["--stage", "2", "--dtype", "bf16"]),
     "moe-z1-ep2-dxe": ("ds_moe_train.py", 4, ["--stage", "1", "--data-before-expert"]),
-    # DeepSpeed AutoEP on a tiny Mixtral, 2 experts x 2 layers over autoep_size 2 on 2 ranks (tests/test_autoep.py).
+    # DeepSpeed AutoEP on a tiny Mixtral, 2 experts x 2 layers over autoep_size 2 on 2 ranks (tests/sources/deepspeed/test_autoep.py).
     "autoep-z1": ("ds_autoep_train.py", 2, ["--stage", "1"]),
     "autoep-z2-bf16": ("ds_autoep_train.py", 2, ["--stage", "2", "--dtype", "bf16"]),
     # Megatron-Core 0.16.1 GPTModel saves (tests/test_megatron.py): one 4-rank launch writes every layout
@@ -374,6 +374,17 @@ def z2_trainer(engine_ckpt, tmp_path):
     shutil.copytree(case / "ckpt", src)
     shutil.copy(case / "config" / "config.json", src / "config.json")
     return src
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_sd(tmp_path_factory):
+    """``(config dir, {name: tensor})`` of a tiny tied Llama (tests/support/dcp_build.py), the tied
+    ``lm_head.weight`` under its own name as FSDP state dicts hold it: the tests lay it out as the
+    synthetic DCP sources they need (no engine)."""
+    from dcp_build import tiny_llama
+
+    root = tmp_path_factory.mktemp("tiny-llama")
+    return root / "config", tiny_llama(root / "config")
 
 
 SECRET = "BEGIN-PRIVATE-KEY-do-not-share-4f1c"

@@ -48,9 +48,52 @@ def export_refused(src, dst, *args, match=None, run=hf_ckpt):
     return assert_refused(run("export", src, dst, *args), match=match, dst=dst, src=src, digest=before)
 
 
+def in_process(capsys=None):
+    """A ``run`` for :func:`export` and :func:`export_refused`: the CLI's ``main()`` in this process (no
+    interpreter start: tenths of a second where a fresh process takes seconds). With ``capsys`` its
+    output is captured into the result; returns a CompletedProcess either way, as :func:`hf_ckpt`."""
+    def run(*args):
+        from hf_ckpt_integrations.cli import main
+
+        argv = [str(a) for a in args]
+        if capsys is not None:
+            capsys.readouterr()
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse's refusals exit as a fresh process would
+            rc = e.code if isinstance(e.code, int) else 2
+        out = capsys.readouterr() if capsys is not None else None
+        return subprocess.CompletedProcess(argv, rc, out.out if out else "", out.err if out else "")
+    return run
+
+
+def export(src, dst, *args, config=None, ok=True, run=hf_ckpt):
+    """``hf-ckpt export SRC DST [--config CONFIG] ARGS`` through ``run`` (a fresh process by default;
+    :func:`in_process` for a fast one). ``src`` must be byte for byte unchanged after it, whatever the
+    exit; with ``ok`` the exit must be 0. Returns the CompletedProcess. The one export helper of the
+    tests (:func:`export_refused` is its refusal side; :func:`read_export` reads what it wrote)."""
+    before = tree_digest(src)
+    r = run("export", src, dst, *(("--config", config) if config is not None else ()), *args)
+    assert tree_digest(src) == before, f"export changed its source {src}"
+    if ok:
+        assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+    return r
+
+
+def read_export(directory):
+    """``{name: tensor}`` of every ``*.safetensors`` file in ``directory`` (an export, sharded or not)."""
+    out = {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        out.update(load_safetensors(f))
+    return out
+
+
 def tree_digest(path) -> str:
-    """Hash of every file's relative path, mode and bytes under ``path`` (the source-unchanged check)."""
+    """Hash of every file's relative path, mode and bytes under ``path``, or of the file ``path``
+    (the source-unchanged check)."""
     h = hashlib.sha256()
+    if Path(path).is_file():
+        h.update(Path(path).read_bytes())
     for p in sorted(Path(path).rglob("*")):
         h.update(str(p.relative_to(path)).encode())
         if p.is_file():

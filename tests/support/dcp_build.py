@@ -41,14 +41,16 @@ def grid(shape, splits):
     return [(tuple(o for o, _ in combo), tuple(s for _, s in combo)) for combo in itertools.product(*axes)]
 
 
-def write_dcp(directory, tensors, *, nest="model", files=2):
+def write_dcp(directory, tensors, *, nest="model", files=2, extra=None, stored=None):
     """A DCP checkpoint of ``tensors`` (``{name: full tensor}`` or ``{name: (full, chunks)}``, chunks
     ``[(offsets, sizes)]``, default one whole chunk), each chunk ``torch.save``'d into
     ``__<k % files>_0.distcp`` at its recorded offset, as FileSystemWriter writes them; nested under
-    ``nest`` as Accelerate saves them (None: flat). Returns ``directory``."""
+    ``nest`` as Accelerate saves them (None: flat). ``extra``: ``{fqn: metadata}`` of further entries
+    (None: bytes, as an optimizer's param_groups). ``stored``: ``stored(fqn, j, piece) -> tensor``
+    saved instead of the tensor's chunk ``j`` (a damaged save). Returns ``directory``."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                       TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -60,18 +62,22 @@ def write_dcp(directory, tensors, *, nest="model", files=2):
         fqn = f"{nest}.{name}" if nest else name
         planner[fqn] = (nest, name) if nest else (name,)
         metas = []
-        for offsets, sizes in chunks:
+        for j, (offsets, sizes) in enumerate(chunks):
             piece = full
             for d, (o, s) in enumerate(zip(offsets, sizes)):
                 piece = piece.narrow(d, o, s)
             stream = streams[k % files]
             start = stream.tell()
-            torch.save(piece.clone().contiguous(), stream)
+            piece = piece.clone().contiguous()
+            torch.save(stored(fqn, j, piece) if stored else piece, stream)
             storage[MetadataIndex(fqn, torch.Size(offsets))] = _StorageInfo(f"__{k % files}_0.distcp", start,
                                                                             stream.tell() - start)
             metas.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
             k += 1
         sd_meta[fqn] = TensorStorageMetadata(TensorProperties(dtype=full.dtype), full.size(), metas)
+    for fqn, value in (extra or {}).items():
+        sd_meta[fqn] = BytesStorageMetadata() if value is None else value
+        planner[fqn] = tuple(fqn.split("."))
     for rank, stream in enumerate(streams):
         (directory / f"__{rank}_0.distcp").write_bytes(stream.getvalue())
     md = Metadata(state_dict_metadata=sd_meta, planner_data=planner, storage_data=storage, version="1.0.0")

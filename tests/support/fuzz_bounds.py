@@ -1,5 +1,5 @@
 """What every fuzz case runs under: a time limit and a capped address space, and the exported
-tensors read back as bytes (shared by tests/test_fuzz.py and tests/test_fuzz_dcp.py)."""
+tensors read back as bytes (shared by tests/trust/test_fuzz.py and tests/trust/test_fuzz_dcp.py)."""
 
 import contextlib
 import os
@@ -23,9 +23,10 @@ def _address_space():
 
 @contextlib.contextmanager
 def time_limit(seconds, memory=CASE_MEMORY):
-    """SIGALRM raises in Python code; a hang inside C (hashing a DAG) never returns to Python, so
-    faulthandler kills the whole run with every thread's stack at twice the limit. The address space
-    is capped too (restored afterwards)."""
+    """SIGALRM raises in Python code; a hang inside C (hashing a DAG, ``re`` backtracking) never
+    returns to Python, so faulthandler kills the whole run with every thread's stack at twice the
+    limit. The address space is capped too, by ``memory`` bytes more than now (None: not capped),
+    and restored afterwards."""
     import faulthandler
 
     def on_alarm(signum, frame):
@@ -35,7 +36,7 @@ def time_limit(seconds, memory=CASE_MEMORY):
     signal.alarm(seconds)
     faulthandler.dump_traceback_later(2 * seconds, exit=True, file=sys.__stderr__)
     limits = resource.getrlimit(resource.RLIMIT_AS)
-    capped = os.path.exists("/proc/self/status")
+    capped = memory is not None and os.path.exists("/proc/self/status")
     if capped:
         resource.setrlimit(resource.RLIMIT_AS, (_address_space() + memory, limits[1]))
     try:

@@ -1,0 +1,264 @@
+"""Per-rank ``torch.save`` FSDP state dicts (hf_ckpt_integrations/sources/fsdp_rank_files/).
+
+Engine cases (tests/engines/fsdp_rank_files.py, real torchrun processes on CPU/gloo): FSDP2 saved
+as verl's ``FSDPCheckpointManager`` saves it (vocabulary 1001 on ``Shard(1)`` by verl's placement
+function), FSDP2 x TP on a ("dp", "tp") mesh of 4 ranks, and as Accelerate's
+``save_fsdp_model(use_dcp=False)`` saves FSDP2 and FSDP1 (ShardedTensor); each export bitwise
+equal to the engine's own full state dict and loaded with ``from_pretrained``.
+
+Fast: :func:`local_indices` against torch's own sharding of an index tensor; rank files whose
+DTensors torch builds under a fake process group (1-D uneven, HSDP, FSDP x TP layouts and the
+refusals); a LoRA actor's adapter.
+"""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from helpers import (assert_bitwise_equal, export, export_refused, hf_ckpt, load_hf_state, load_safetensors,
+                    tampered_copy)
+from hf_ckpt_integrations.sources.fsdp_rank_files import local_indices
+from rank_files_build import synthetic_layouts, write_rank_files
+
+
+# ---------------------------------------------------------------- placement arithmetic
+
+
+def _torch_local(shape, mesh_shape, coord, placements):
+    """The global flat indices rank ``coord`` holds, by torch's own split of an index tensor."""
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    t = torch.arange(int(torch.tensor(shape).prod())).view(shape)
+    for mesh_dim, (kind, dim, factor) in enumerate(placements):
+        if kind == "replicate":
+            continue
+        p = Shard(dim) if kind == "shard" else _StridedShard(dim, split_factor=factor)
+        t = p._split_tensor(t, mesh_shape[mesh_dim], with_padding=False, contiguous=False)[0][coord[mesh_dim]]
+    return t.reshape(-1).tolist()
+
+
+LAYOUTS = [
+    ((1001, 64), (2,), [("shard", 0, 0)]),
+    ((1001, 64), (2,), [("shard", 1, 0)]),
+    ((5, 3), (4,), [("shard", 0, 0)]),  # uneven: 2, 2, 1, 0 rows
+    ((7, 6), (2, 2), [("replicate", -1, 0), ("shard", 0, 0)]),  # HSDP
+    ((10, 6), (2, 2), [("shard", 0, 0), ("shard", 1, 0)]),
+    ((10, 6), (2, 3), [("strided", 0, 3), ("shard", 0, 0)]),  # FSDP x TP on one dim
+    ((9, 4), (2, 2), [("strided", 0, 2), ("shard", 0, 0)]),  # ... uneven
+    ((8, 6), (2, 2), [("shard", 1, 0), ("shard", 0, 0)]),
+]
+
+
+@pytest.mark.parametrize("shape,mesh,placements", LAYOUTS, ids=[str(i) for i in range(len(LAYOUTS))])
+def test_local_indices_are_torchs_own_split(shape, mesh, placements):
+    for coord in itertools.product(*(range(n) for n in mesh)):
+        idx = local_indices(shape, mesh, coord, placements)
+        strides = [int(torch.tensor(shape[d + 1:]).prod()) for d in range(len(shape))]
+        flat = [sum(i * s for i, s in zip(pos, strides)) for pos in itertools.product(*idx)]
+        assert flat == _torch_local(shape, mesh, coord, placements), (coord, placements)
+
+
+# ---------------------------------------------------------------- real saves
+
+
+def _check_export(case, src, out, *args):
+    r = export(src, out, *args)
+    ref = load_safetensors(case / "reference.safetensors")
+    got = load_safetensors(out / "model.safetensors")
+    assert set(got) == set(ref) - ({"lm_head.weight"} if "lm_head.weight" not in got else set())
+    assert_bitwise_equal(got, {k: v for k, v in ref.items() if k in got})
+    assert all(got[k].dtype == torch.float32 for k in got)  # stored dtype kept (bf16 compute, fp32 params)
+    assert_bitwise_equal(load_hf_state(out, torch.float32), ref)
+    return r
+
+
+@pytest.mark.parametrize("entry", ["ckpt", "ckpt/global_step_2", "ckpt/global_step_2/actor"])
+def test_verl_export_is_the_engines_weights(engine_ckpt, tmp_path, entry):
+    case = engine_ckpt("rank-verl")
+    _check_export(case, case / entry, tmp_path / "out")  # config from actor/huggingface, no --config
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == \
+        (case / "ckpt/global_step_2/actor/huggingface/tokenizer.json").read_bytes()
+
+
+def test_fsdp_tp_diverged_copy_refused(engine_ckpt, tmp_path):
+    """The two TP ranks of a DP group hold the same blocks of every tensor on the "dp" sub-mesh: a copy
+    that differs from the one written is refused, naming its file."""
+    name = "model.norm.weight"
+    src = tampered_copy(engine_ckpt("rank-fsdp-tp") / "ckpt/global_step_2/actor", tmp_path,
+                        "model_world_size_4_rank_1.pt", edit=lambda sd: sd[name]._local_tensor.add_(1),
+                        weights_only=False, name="actor")
+    export_refused(src, tmp_path / "out", match=("model_world_size_4_rank_1.pt", name, "replicas"))
+
+
+def test_accelerate_use_dcp_false_export_is_the_engines_weights(engine_ckpt, tmp_path):
+    case = engine_ckpt("rank-accelerate")
+    _check_export(case, case / "state", tmp_path / "out", "--config", case / "config")
+
+
+@pytest.fixture
+def verl_actor(engine_ckpt, tmp_path):
+    return tampered_copy(engine_ckpt("rank-verl") / "ckpt/global_step_2/actor", tmp_path, name="actor")
+
+
+def test_missing_rank_file_refused(verl_actor, tmp_path):
+    (verl_actor / "model_world_size_2_rank_1.pt").unlink()
+    export_refused(verl_actor, tmp_path / "out", match=("model_world_size_2_rank_1.pt", "missing"))
+
+
+def test_world_size_disagreeing_with_fsdp_config_refused(verl_actor, tmp_path):
+    (verl_actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 4}))
+    export_refused(verl_actor, tmp_path / "out", match=("fsdp_config.json", "world_size 4"))
+
+
+def test_swapped_rank_files_refused(verl_actor, tmp_path):
+    """Each file's mesh records its rank and coordinate: renamed files are not placed by their names."""
+    a, b = verl_actor / "model_world_size_2_rank_0.pt", verl_actor / "model_world_size_2_rank_1.pt"
+    a.rename(tmp_path / "t")
+    b.rename(a)
+    (tmp_path / "t").rename(b)
+    export_refused(verl_actor, tmp_path / "out", match=("model_world_size_2_rank_0.pt", "renamed or mixed"))
+
+
+def test_overlapping_shards_refused(verl_actor, tmp_path):
+    """Two ranks holding the same shard (a copy of rank 0's file under rank 1's name, its recorded
+    rank edited to match) leave a gap and an overlap: refused, never exported."""
+    sd = torch.load(verl_actor / "model_world_size_2_rank_0.pt", weights_only=False)
+    for v in sd.values():
+        v._spec.mesh._rank = 1
+    torch.save(sd, verl_actor / "model_world_size_2_rank_1.pt")
+    export_refused(verl_actor, tmp_path / "out", match=("do not tile", "duplicated or from another save"))
+
+
+def test_fsdp1_sharded_tensor_export_is_the_engines_weights(engine_ckpt, tmp_path):
+    """FSDP1 SHARDED_STATE_DICT through Accelerate's save_fsdp_model(use_dcp=False): ShardedTensors."""
+    case = engine_ckpt("rank-accelerate-fsdp1")
+    _check_export(case, case / "state", tmp_path / "out", "--config", case / "config")
+    info = json.loads(hf_ckpt("inspect", case / "state", "--json").stdout)
+    assert info["placements"] == {"ShardedTensor": info["tensor_count"]}
+
+
+def test_fsdp_tp_2d_mesh_export_is_the_engines_weights(engine_ckpt, tmp_path):
+    """A ("dp", "tp") mesh: TP-sharded weights on both dims (_StridedShard over dp), the rest on the
+    "dp" sub-mesh, held by both TP ranks of a DP group (copies, checked equal)."""
+    case = engine_ckpt("rank-fsdp-tp")
+    _check_export(case, case / "ckpt", tmp_path / "out")
+    info = json.loads(hf_ckpt("inspect", case / "ckpt", "--json").stdout)
+    assert info["mesh"] == [2, 2] and info["mesh_dim_names"] == ["dp", "tp"]
+    assert set(info["placements"]) == {"Shard(0)", "Shard(0), Shard(1)", "_StridedShard(0, 2), Shard(0)"}
+
+
+def test_partial_placement_refused(verl_actor, tmp_path):
+    from torch.distributed.tensor import Partial
+
+    for r in (0, 1):
+        path = verl_actor / f"model_world_size_2_rank_{r}.pt"
+        sd = torch.load(path, weights_only=False)
+        sd["model.norm.weight"]._spec.placements = (Partial(),)
+        torch.save(sd, path)
+    export_refused(verl_actor, tmp_path / "out", match=("model_world_size_2_rank_0.pt", "Partial placement (per-rank partial sums"))
+
+
+def test_getattr_of_anything_else_refused(tmp_path):
+    """ShardedTensor's pickle calls getattr(ShardedTensor, "ProcessGroupState"); no other getattr."""
+    import zipfile
+
+    from hf_ckpt_integrations.errors import UnsafeCheckpointError
+    from hf_ckpt_integrations.formats import torch_files
+    from hf_ckpt_integrations.sources.fsdp_rank_files import ALLOWED
+
+    pkl = (b"\x80\x02c__builtin__\ngetattr\nctorch.distributed._shard.sharded_tensor.api\nShardedTensor\n"
+           b"X\x08\x00\x00\x00__init__\x86R.")
+    with zipfile.ZipFile(tmp_path / "a.pt", "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("archive/data.pkl", pkl)
+    with pytest.raises(UnsafeCheckpointError, match="getattr"):
+        torch_files.load(tmp_path / "a.pt", allowed=ALLOWED)
+
+
+# ---------------------------------------------------------------- synthetic rank files (no engine run)
+
+
+@pytest.mark.parametrize("layout", ["1d-uneven", "hsdp", "fsdp-tp"])
+def test_synthetic_layouts_export_bitwise(tmp_path, layout):
+    from hf_ckpt_integrations import export_checkpoint
+
+    mesh, tensors = synthetic_layouts()[layout]
+    src = write_rank_files(tmp_path / "actor", tensors, mesh)
+    export_checkpoint(str(src), str(tmp_path / "out"), weights_only=True)  # synthetic: no model config
+    got = load_safetensors(tmp_path / "out" / "model.safetensors")
+    assert_bitwise_equal(got, {n: full for n, (full, _) in tensors.items()})
+
+
+def test_synthetic_diverged_replica_refused(tmp_path):
+    mesh, tensors = synthetic_layouts()["hsdp"]
+    src = write_rank_files(tmp_path / "actor", tensors, mesh,
+                           local_of=lambda name, rank, t: t + 1 if (name, rank) == ("a", 3) else t)
+    export_refused(src, tmp_path / "out", "--weights-only", match=("model_world_size_4_rank_3.pt",
+                                                                   "its copy of a differs"))
+
+
+def test_synthetic_partial_refused(tmp_path):
+    from torch.distributed.tensor import Partial
+
+    src = write_rank_files(tmp_path / "actor", {"a": (torch.ones(4, 2), [Partial()])}, (2,))
+    export_refused(src, tmp_path / "out", match=("model_world_size_2_rank_0.pt", "Partial placement (per-rank partial sums"))
+
+
+def test_synthetic_missing_rank_and_world_size_refused(tmp_path):
+    mesh, tensors = synthetic_layouts()["1d-uneven"]
+    src = write_rank_files(tmp_path / "actor", tensors, mesh)
+    (src / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 2}))
+    export_refused(src, tmp_path / "out", match=("fsdp_config.json", "world_size 2"))
+    (src / "fsdp_config.json").unlink()
+    (src / "model_world_size_4_rank_2.pt").unlink()
+    export_refused(src, tmp_path / "out", match=("model_world_size_4_rank_2.pt", "missing"))
+
+
+def test_synthetic_shard_of_the_wrong_shape_refused(tmp_path):
+    """A local shard that is not what its placements cut (a file of another save) is refused."""
+    mesh, tensors = synthetic_layouts()["1d-uneven"]
+    src = write_rank_files(tmp_path / "actor", tensors, mesh,
+                           local_of=lambda name, rank, t: t[:1] if (name, rank) == ("a", 0) else t)
+    export_refused(src, tmp_path / "out", match=("model_world_size_4_rank_0.pt", "placements Shard(0)"))
+
+
+@pytest.mark.parametrize("allowed", [None, "dcp", "deepspeed"])
+def test_dtensor_stand_ins_belong_to_this_source_only(tmp_path, allowed):
+    """Every other reader's list refuses a rank file's DTensor: the stand-ins are this source's."""
+    from hf_ckpt_integrations.errors import UnsafeCheckpointError
+    from hf_ckpt_integrations.formats import torch_files
+    from hf_ckpt_integrations.sources import dcp
+    from hf_ckpt_integrations.sources.deepspeed import allowlist
+
+    mesh, tensors = synthetic_layouts()["1d-uneven"]
+    src = write_rank_files(tmp_path / "actor", tensors, mesh)
+    lists = {None: None, "dcp": dcp.ALLOWED, "deepspeed": allowlist.ALLOWED}
+    with pytest.raises(UnsafeCheckpointError, match="refused for safety: its pickle asks for `torch"):
+        torch_files.load(src / "model_world_size_4_rank_0.pt", allowed=lists[allowed])
+
+
+def test_lora_actor_exports_the_adapter_peft_writes(tmp_path):
+    """A LoRA actor's rank files (a PeftModel's state dict, FSDP-sharded; verl's LoRA runs save these):
+    the PEFT pass keeps the adapter, bitwise what PeftModel.save_pretrained writes."""
+    import sys
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+    from torch.distributed.tensor import Shard
+
+    import common
+
+    torch.manual_seed(0)
+    model = get_peft_model(LlamaForCausalLM(common.tiny_llama_config(num_hidden_layers=1)),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)  # lora_B starts at zero: an untrained adapter would prove nothing
+    src = write_rank_files(tmp_path / "actor", {k: (v, [Shard(0)]) for k, v in model.state_dict().items()}, (2,))
+    model.save_pretrained(tmp_path / "ref")
+    r = export(src, tmp_path / "out", "--config", tmp_path / "ref")
+    want = load_safetensors(tmp_path / "ref" / "adapter_model.safetensors")
+    got = load_safetensors(tmp_path / "out" / "adapter_model.safetensors")
+    assert set(got) == set(want) and want
+    assert_bitwise_equal(got, want)
