@@ -2,7 +2,7 @@
 
 ``export --help`` and ``inspect --help`` print it (:func:`help_epilog`), the "does not exist" and
 "no checkpoint found" errors point to it (:data:`SRC_HINT`), README.md holds :func:`markdown_table`
-verbatim (tests/test_supported_inputs.py checks it) and docs/hooks.py writes it into docs/inputs.md.
+verbatim (tests/cli/test_cli_front_door.py checks it) and docs/hooks.py writes it into docs/inputs.md.
 Which source module reads each kind: ``sources/registry.py`` (``SOURCES``, in detection order).
 """
 

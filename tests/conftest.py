@@ -137,13 +137,13 @@ CASES = {
     # ZeRO-1 with the sequential residual (its function does not depend on the TP size) onto 1 rank.
     "pipe-tp2-fp32-seq": ("ds_pipe_train.py", 4, ["--tp", "2", "--dtype", "fp32", "--residual", "sequential"]),
     "ucw-pipe-tp2-seq-to1": ("ds_pipe_resume.py", 1, ["--from", "{case:pipe-tp2-fp32-seq}", "--pp", "1", "--tp", "1"]),
-    # The Hub-layout family matrix (tests/passes/test_families.py): ZeRO-3 for every family, ZeRO-2 for an
+    # The Hub-layout family matrix (tests/convert/test_families.py): ZeRO-3 for every family, ZeRO-2 for an
     # MoE one, the Trainer callback and the live (Accelerate hook) save on an MoE one.
     **{f"fam-{f}-z3": ("family_train.py", 2, ["--family", f, "--stage", "3"])
        for f in ("llama", "gpt2", "t5", "bert", "mixtral", "qwen2_moe", "llava")},
     "fam-mixtral-z2": ("family_train.py", 2, ["--family", "mixtral", "--stage", "2"]),
     "fam-cb-qwen2_moe-z3": ("family_trainer_cb.py", 2, ["--family", "qwen2_moe", "--stage", "3"]),
-    # bf16 ZeRO-2 Trainer + callback on a class that keeps its routers in fp32 (tests/passes/test_output_dtypes.py).
+    # bf16 ZeRO-2 Trainer + callback on a class that keeps its routers in fp32 (tests/convert/test_output_dtypes.py).
     "fam-cb-deepseek_v3-z2-bf16": ("family_trainer_cb.py", 2, ["--family", "deepseek_v3", "--stage", "2", "--bf16"]),
     # torch DCP under FSDP2 (tests/sources/dcp/test_dcp.py): plain fully_shard + dcp.save (vocab 1001 over 2 ranks),
     # Accelerate save_state, the Trainer's checkpoint-N.
@@ -181,7 +181,7 @@ CASES = {
     # DeepSpeed AutoEP on a tiny Mixtral, 2 experts x 2 layers over autoep_size 2 on 2 ranks (tests/sources/deepspeed/test_autoep.py).
     "autoep-z1": ("ds_autoep_train.py", 2, ["--stage", "1"]),
     "autoep-z2-bf16": ("ds_autoep_train.py", 2, ["--stage", "2", "--dtype", "bf16"]),
-    # Megatron-Core 0.16.1 GPTModel saves (tests/test_megatron.py): one 4-rank launch writes every layout
+    # Megatron-Core 0.16.1 GPTModel saves (tests/sources/megatron/test_megatron.py): one 4-rank launch writes every layout
     # (TP 2, PP 2, TP 2 x PP 2, DP 4, tied) in both formats (torch_dist and legacy mp_rank_*), ~30 s.
     "megatron": ("megatron_train.py", 4, []),
 

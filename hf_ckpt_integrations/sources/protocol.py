@@ -51,7 +51,7 @@ class Source(Protocol):
     The members below are required; the optional hooks, and their defaults, are :class:`SourceBase`'s
     (read them through :func:`hook`). ``detect`` and ``config_candidates`` read names only (never a
     pickle) and answer on any path: a missing one, an empty directory or a file claims nothing
-    (tests/test_source_conformance.py runs every registered source through that)."""
+    (tests/sources/test_source_conformance.py runs every registered source through that)."""
 
     NAME: str  # the engine name plans carry
     LOOKS_FOR: str  # what it recognises, in words (listed when no source claims a path)

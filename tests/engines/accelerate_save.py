@@ -10,7 +10,7 @@ hooked ``accelerator.save_model``: ``OUT/hf/`` (safetensors, sharded at 300KB), 
 Under ZeRO-3 (with or without AutoTP) the hooked ``save_model`` runs again with NCCL's device rules
 on (tests/support/nccl_rules.py: the training stays on gloo, the rules apply to the save only), with
 the partitions on the (fake) device and offloaded to the CPU: ``OUT/nccl/{device,cpu}/`` and
-``OUT/nccl/rank{r}.json``; the same bytes as ``OUT/hf/`` (tests/test_nccl_engine_paths.py).
+``OUT/nccl/rank{r}.json``; the same bytes as ``OUT/hf/`` (tests/integrations/test_nccl_engine_paths.py).
 """
 import argparse
 import os
