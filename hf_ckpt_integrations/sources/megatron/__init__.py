@@ -48,7 +48,7 @@ def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
     """The save dir, the iteration dir, then a directory holding the config.json derived from the args
     (:func:`hf_config`; none when the args do not say enough, and the export then asks for --config)."""
     it = layout.iteration_dir(path)
-    found = [path, it, os.path.dirname(os.path.abspath(path))]
+    found = [p for p in (path, it, os.path.dirname(os.path.abspath(path))) if p is not None]
     if it is None:
         return found
     key = os.path.abspath(it)
