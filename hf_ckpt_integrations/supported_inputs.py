@@ -34,6 +34,10 @@ INPUTS: Tuple[InputKind, ...] = (
     InputKind("FSDP per-rank files", "`model_world_size_W_rank_R.pt`, `pytorch_model_fsdp_0_rankR.bin`",
               "verl / SkyRL (`global_step_N/`, `actor/`, `policy/`), Accelerate `save_fsdp_model(use_dcp=False)`, "
               "FSDP1 LOCAL_STATE_DICT", "fsdp-rank-files.md"),
+    InputKind("Megatron-Core save", "`latest_checkpointed_iteration.txt` + `iter_NNNNNNN/` (`torch_dist` "
+              "`.metadata` + `__R_N.distcp`, or legacy `mp_rank_TT[_PPP]/model_optim_rng.pt`)",
+              "Megatron-LM / Megatron-Core 0.16 (`dist_checkpointing.save`, `save_checkpoint`), NeMo, verl/slime "
+              "Megatron backends: Llama/Qwen2 GPT models", "megatron.md"),
     InputKind("DeepSpeed universal checkpoint", "`zero/<param>/fp32.pt`", "`ds_to_universal`, `hf-ckpt universal`",
               "universal.md"),
     InputKind("HF directory", "`model.safetensors[.index.json]` or `pytorch_model.bin[.index.json]`",
