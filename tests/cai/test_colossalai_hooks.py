@@ -28,12 +28,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 SCRIPT = HERE / "colossalai_hook_case.py"
 TIMEOUT_S = 600
-# What the engine runs besides the script: a change here must rebuild the cached runs.
-_CODE = [SCRIPT, REPO / "tests/support/colossalai_cpu_shim.py"] + [
-    REPO / "hf_ckpt_integrations" / p for p in
-    ("sources/colossalai.py", "sources/live.py", "integrations/colossalai.py", "integrations/_dist.py",
-     "sources/passes.py", "writer.py", "assemble.py", "plan.py", "_tiling.py", "orchestrator.py", "commit.py",
-     "_staging.py", "_merge_commit.py")]
+# What the engine runs besides the script: a change here must rebuild the cached runs. The whole
+# package is keyed (by relative name and bytes), so a module moved or renamed cannot break the key.
+_CODE = [SCRIPT, REPO / "tests/support/colossalai_cpu_shim.py"] + sorted(
+    (REPO / "hf_ckpt_integrations").rglob("*.py"))
 
 
 def _case_module():
@@ -49,7 +47,7 @@ def _cache_key() -> str:
 
     h = hashlib.sha256(f"{torch.__version__} {colossalai.__version__} {transformers.__version__}".encode())
     for p in _CODE:
-        h.update(p.read_bytes())
+        h.update(str(p.relative_to(REPO)).encode() + b"\0" + p.read_bytes())
     return h.hexdigest()[:16]
 
 
