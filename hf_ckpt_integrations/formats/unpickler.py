@@ -24,9 +24,25 @@ import io
 import os
 import pickle
 import reprlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Mapping, NoReturn, Optional, Protocol
 
 from ..errors import CheckpointError, UnsafeCheckpointError, short_repr
+
+# An allowlist: module -> {name -> the stand-in (a class, a function, a marker) a global becomes}
+# (the inner mappings' value types differ per list, so the readers' literals type as Mapping[str, object]).
+Allowlist = Mapping[str, Any]
+
+
+class PickleInput(Protocol):
+    """What the unpickler reads from: a binary file, or a reader bounding one (``torch_legacy``)."""
+
+    def read(self, n: int, /) -> bytes: ...
+
+    def readline(self) -> bytes: ...
+
+# pickle's pure-Python unpickler: typeshed declares only its public face (no _Unframer, _Stop, opcode
+# methods or dispatch table), so its internals are reached through this untyped name.
+_pickle: Any = pickle
 
 __all__ = ["StandIn", "Leaf", "Opaque", "Record", "record_type", "CONTAINERS", "CLIENT_STATE", "NumpyArray",
            "NumpyDtype", "NumpyScalar", "EnumMember", "loads",
@@ -55,13 +71,13 @@ class Leaf:
 class Opaque(StandIn):
     """Inert stand-in for an allowlisted object whose content is plain data (e.g. LossScaler)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.args = args
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: Any) -> None:
         self.state = state
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Opaque({self.__dict__!r})"
 
 
@@ -74,17 +90,17 @@ class Record(StandIn):
 
     kind = "Record"
 
-    def __init__(self, *args):
-        self.state = None
+    def __init__(self, *args: Any) -> None:
+        self.state: Any = None
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: Any) -> None:
         self.state = state
 
-    def field(self, name, default=None):
+    def field(self, name: str, default: Any = None) -> Any:
         """Field ``name`` of a dict state (``default`` when absent or the state is not a dict)."""
         return self.state.get(name, default) if type(self.state) is dict else default
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{self.kind}({short_repr(self.state)})"
 
 
@@ -93,7 +109,7 @@ def record_type(name: str) -> type:
     return type(name, (Record,), {"kind": name})
 
 
-def _check_key(key):
+def _check_key(key: object) -> None:
     """Dict keys and set elements get hashed (and compared): only atoms, or short tuples of atoms —
     hashing a nested tuple DAG takes 2^depth steps."""
     if type(key) in _ATOMS or isinstance(key, Record):
@@ -107,27 +123,27 @@ def _check_key(key):
 _ATOMS = (str, int, float, bool, bytes, type(None))
 
 
-def _check_keys(keys):
+def _check_keys(keys: Iterable[object]) -> None:
     for k in keys:
         _check_key(k)
 
 
-def _guarded_set(iterable=()):
+def _guarded_set(iterable: Iterable[Any] = ()) -> set[Any]:
     items = list(iterable)
     _check_keys(items)
     return set(items)
 
 
-def _guarded_frozenset(iterable=()):
+def _guarded_frozenset(iterable: Iterable[Any] = ()) -> frozenset[Any]:
     items = list(iterable)
     _check_keys(items)
     return frozenset(items)
 
 
-def _guarded_ordered_dict(*args):
+def _guarded_ordered_dict(*args: Any) -> "collections.OrderedDict[Any, Any]":
     if len(args) > 1:
         raise CheckpointError("OrderedDict with more than one argument")
-    out = collections.OrderedDict()
+    out: collections.OrderedDict[Any, Any] = collections.OrderedDict()
     for pair in (list(args[0]) if args else ()):
         if type(pair) not in (tuple, list) or len(pair) != 2:
             raise CheckpointError("OrderedDict built from something other than pairs")
@@ -153,15 +169,16 @@ CONTAINERS = {
 class NumpyDtype(StandIn):
     """A numpy dtype as pickled: ``numpy.dtype(descr, align, copy)`` then its state (byte order, fields...)."""
 
-    def __init__(self, descr, align=False, copy=False):
+    def __init__(self, descr: Any, align: Any = False, copy: Any = False) -> None:
         if type(descr) is not str or len(descr) > 32 or type(align) is not bool or type(copy) is not bool:
             raise CheckpointError(f"numpy.dtype{short_repr((descr, align, copy))} is not a dtype")
-        self.descr, self.state = descr, None
+        self.descr: str = descr
+        self.state: Any = None
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: Any) -> None:
         self.state = state
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"numpy.dtype({self.descr!r})"
 
 
@@ -169,10 +186,12 @@ class NumpyArray(StandIn):
     """A numpy array as pickled (``_reconstruct(ndarray, (0,), b'b')`` then its state ``(version,
     shape, dtype, fortran, raw bytes)``): the raw bytes are kept, never interpreted."""
 
-    def __init__(self):
-        self.shape, self.dtype, self.data = None, None, None
+    def __init__(self) -> None:
+        self.shape: Optional[tuple[int, ...]] = None
+        self.dtype: Optional[NumpyDtype] = None
+        self.data: Any = None
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: Any) -> None:
         if not (type(state) is tuple and len(state) == 5 and isinstance(state[2], NumpyDtype)
                 and type(state[1]) is tuple and len(state[1]) <= 64
                 and all(type(d) is int and d >= 0 for d in state[1])):
@@ -186,12 +205,12 @@ class NumpyArray(StandIn):
 class NumpyScalar(StandIn):
     """A numpy scalar (``np.float32(1.5)``) as pickled: ``scalar(dtype, raw bytes)``."""
 
-    def __init__(self, dtype=None, data=None):
+    def __init__(self, dtype: Any = None, data: Any = None) -> None:
         if not isinstance(dtype, NumpyDtype):
             raise CheckpointError(f"a numpy scalar of {short_repr(dtype)}, not of a dtype; the file is corrupt")
         self.dtype, self.data = dtype, data
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"numpy.{self.dtype.descr}({self.data!r})"
 
 
@@ -200,12 +219,12 @@ class EnumMember(StandIn):
 
     kind = "Enum"
 
-    def __init__(self, value=None):
+    def __init__(self, value: Any = None) -> None:
         if type(value) not in _ATOMS:
             raise CheckpointError(f"{self.kind}({short_repr(value)}): an enum member is a name or a number")
         self.value = value
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{self.kind}({self.value!r})"
 
 
@@ -216,7 +235,7 @@ def _enum_type(name: str) -> type:
 _NDARRAY = object()  # what ``numpy.ndarray`` stands for: only _reconstruct may take it
 
 
-def _np_reconstruct(cls, shape, typecode):
+def _np_reconstruct(cls: Any, shape: Any, typecode: Any) -> NumpyArray:
     # numpy's own arguments are always (ndarray, (0,), b'b'); anything else (another class, a callable
     # the pickle hands over) is not a plain array
     if cls is not _NDARRAY or shape != (0,) or typecode != b"b":
@@ -225,14 +244,14 @@ def _np_reconstruct(cls, shape, typecode):
     return NumpyArray()
 
 
-def _latin1(text, encoding):
+def _latin1(text: Any, encoding: Any) -> bytes:
     # protocol 2 spells bytes as _codecs.encode(str, "latin1"); nothing else is needed
     if type(text) is not str or encoding not in ("latin1", "latin-1"):
         raise UnsafeCheckpointError(f"refused for safety: _codecs.encode{short_repr((text, encoding))}")
     return text.encode("latin-1")
 
 
-def _path(*parts):
+def _path(*parts: Any) -> str:
     if len(parts) > 4096 or not all(type(x) is str for x in parts):
         raise CheckpointError(f"a path of {short_repr(parts)}, not of names")
     return "/".join(x.rstrip("/") for x in parts) if parts else "."
@@ -260,29 +279,30 @@ CLIENT_STATE = {
 }
 
 
-class _Unpickler(pickle._Unpickler):
+class _Unpickler(_pickle._Unpickler):
     """The pure-Python unpickler (the C one cannot be instrumented) with budgets at the opcodes
     that can blow up: see the module docstring. About 2x slower than the C one here (most of the
     time is in our own rebuild functions either way): 2.2 s instead of 1.1 s for a 3.8 MB pickle
     of 20,000 tensors, milliseconds for the engine files of the tests."""
 
-    def __init__(self, file, path: str, allowed: dict, persistent_load: Optional[Callable] = None):
+    def __init__(self, file: PickleInput, path: str, allowed: Allowlist,
+                 persistent_load: Optional[Callable[[Any], Any]] = None) -> None:
         super().__init__(file)
         self._path = path
         self._allowed = allowed
         self._persistent_load = persistent_load  # None: a plain pickle, persistent ids refused
         self._parked = 0  # objects on the stacks that MARKs set aside (self.metastack)
 
-    def load(self):
+    def load(self) -> Any:
         # pickle._Unpickler.load with an opcode budget (CPython 3.8+ internals: _Unframer, _Stop),
         # and, every _CHECK_EVERY opcodes, a budget on the objects it holds before any tree exists
         # (each opcode makes at most one: the overshoot is bounded too).
-        self._unframer = pickle._Unframer(self._file_read, self._file_readline)
+        self._unframer = _pickle._Unframer(self._file_read, self._file_readline)
         self.read = self._unframer.read
         self.readinto = self._unframer.readinto
         self.readline = self._unframer.readline
-        self.metastack = []
-        self.stack = []
+        self.metastack: list[list[Any]] = []
+        self.stack: list[Any] = []
         self.append = self.stack.append
         self.proto = 0
         read, dispatch, left = self.read, self._dispatch, MAX_OPS
@@ -298,42 +318,42 @@ class _Unpickler(pickle._Unpickler):
                 if len(self.stack) + self._parked + len(self.metastack) + len(self.memo) > 2 * MAX_NODES:
                     raise CheckpointError(f"{self._path}: its pickle holds over {2 * MAX_NODES} objects at once; no "
                                           "checkpoint's metadata is that large: the file is corrupt or crafted")
-        except pickle._Stop as stop:
+        except _pickle._Stop as stop:
             return stop.value
         raise CheckpointError(f"{self._path}: its pickle runs past {MAX_OPS} operations; no checkpoint's "
                               "metadata is that large: the file is corrupt or crafted")
 
-    def _load_mark(self):
+    def _load_mark(self) -> None:
         self._parked += len(self.stack)
-        pickle._Unpickler.load_mark(self)
+        _pickle._Unpickler.load_mark(self)
 
-    def pop_mark(self):
-        items = pickle._Unpickler.pop_mark(self)
+    def pop_mark(self) -> list[Any]:
+        items = _pickle._Unpickler.pop_mark(self)
         self._parked -= len(self.stack)
         return items
 
     # Opcodes that hash (dict and set builders) see only shallow keys.
-    def _load_setitem(self):
+    def _load_setitem(self) -> None:
         _check_key(self.stack[-2])
-        pickle._Unpickler.load_setitem(self)
+        _pickle._Unpickler.load_setitem(self)
 
-    def _load_setitems(self):
+    def _load_setitems(self) -> None:
         _check_keys(self.stack[0::2])  # (after MARK the stack holds k1 v1 k2 v2 ...)
-        pickle._Unpickler.load_setitems(self)
+        _pickle._Unpickler.load_setitems(self)
 
-    def _load_dict(self):
+    def _load_dict(self) -> None:
         _check_keys(self.stack[0::2])
-        pickle._Unpickler.load_dict(self)
+        _pickle._Unpickler.load_dict(self)
 
-    def _load_newobj(self):
+    def _load_newobj(self) -> None:
         # NEWOBJ builds the stand-ins of allowlisted classes (DeepSpeed's fragment_address, DCP's records)
         cls = self.stack[-2]
         if not (isinstance(cls, type) and issubclass(cls, StandIn)):
             raise UnsafeCheckpointError(f"{self._path}: refused for safety: its pickle creates "
                                         f"{short_repr(self.stack[-2])} by NEWOBJ; the file was not executed")
-        pickle._Unpickler.load_newobj(self)
+        _pickle._Unpickler.load_newobj(self)
 
-    def _load_build(self):
+    def _load_build(self) -> None:
         # BUILD sets an object's state: only on our stand-ins (never on a TensorRef, once checked).
         # A state dict's attributes (``_metadata``: module versions) are dropped, nothing reads them.
         if type(self.stack[-2]) is collections.OrderedDict:
@@ -342,14 +362,14 @@ class _Unpickler(pickle._Unpickler):
         if not isinstance(self.stack[-2], StandIn):
             raise UnsafeCheckpointError(f"{self._path}: refused for safety: its pickle sets the state of a "
                                         f"{type(self.stack[-2]).__name__}; the file was not executed")
-        pickle._Unpickler.load_build(self)
+        _pickle._Unpickler.load_build(self)
 
-    def _refuse(self):
+    def _refuse(self) -> NoReturn:
         raise UnsafeCheckpointError(f"{self._path}: refused for safety: its pickle uses a protocol-0/1 "
                                     "or keyword object constructor that torch.save never writes; the file "
                                     "was not executed")
 
-    def find_class(self, module, name):
+    def find_class(self, module: str, name: str) -> Any:
         asked = f"{module}.{name}"
         # Protocol < 3 (torch.save writes 2) spells builtins the Python 2 way (``__builtin__.set``).
         # The standard unpickler's find_class maps those names, and we replace it, so map them here
@@ -368,21 +388,21 @@ class _Unpickler(pickle._Unpickler):
                 "Only export checkpoints you trust through torch.load, or re-save it with plain tensors")
         return target
 
-    def persistent_load(self, pid):
+    def persistent_load(self, pid: Any) -> Any:
         if self._persistent_load is None:
             raise UnsafeCheckpointError(f"{self._path}: refused for safety: unexpected persistent id "
                                         f"{short_repr(pid)}")
         return self._persistent_load(pid)
 
 
-def _hashed_items(real):
-    def load(self):  # set builders: every element on the (marked) stack gets hashed
+def _hashed_items(real: Callable[["_Unpickler"], None]) -> Callable[["_Unpickler"], None]:
+    def load(self: "_Unpickler") -> None:  # set builders: every element on the (marked) stack gets hashed
         _check_keys(self.stack)
         real(self)
     return load
 
 
-_D = pickle._Unpickler.dispatch
+_D = _pickle._Unpickler.dispatch
 _Unpickler._dispatch = {
     **_D,
     pickle.SETITEM[0]: _Unpickler._load_setitem,
@@ -400,7 +420,7 @@ _Unpickler._dispatch = {
 del _D
 
 
-def load_pickle(path, *, allowed: dict) -> Any:
+def load_pickle(path: "str | os.PathLike[str]", *, allowed: Allowlist) -> Any:
     """Unpickle a plain pickle file (not a torch zip: torch DCP's ``.metadata``) safely, with the
     allowlist ``allowed``; same budgets and refusals as :func:`loads`, no persistent ids."""
     path = os.fspath(path)
@@ -418,8 +438,8 @@ def load_pickle(path, *, allowed: dict) -> Any:
     return loads(data, path=path, allowed=allowed)
 
 
-def loads(data: bytes, *, path: str, allowed: dict, where: Optional[str] = None,
-          persistent_load: Optional[Callable] = None) -> Any:
+def loads(data: bytes, *, path: str, allowed: Allowlist, where: Optional[str] = None,
+          persistent_load: Optional[Callable[[Any], Any]] = None) -> Any:
     """Unpickle ``data`` (read from ``path``; ``where``: how messages name it, ``path`` by default)
     with the allowlist ``allowed`` (module -> name -> stand-in) and, for a pickle that refers to
     data outside it (torch's storages), ``persistent_load``; then walk the tree within the budgets.
@@ -430,8 +450,8 @@ def loads(data: bytes, *, path: str, allowed: dict, where: Optional[str] = None,
     return load_stream(io.BytesIO(data), path=path, allowed=allowed, where=where, persistent_load=persistent_load)
 
 
-def load_stream(file, *, path: str, allowed: dict, where: Optional[str] = None,
-                persistent_load: Optional[Callable] = None) -> Any:
+def load_stream(file: PickleInput, *, path: str, allowed: Allowlist, where: Optional[str] = None,
+                persistent_load: Optional[Callable[[Any], Any]] = None) -> Any:
     """:func:`loads` of the pickle that starts at ``file``'s position (``read(n)``/``readline()``;
     it bounds its own reads). Reads up to its STOP opcode and no further: a file of several pickles
     (torch.save's legacy format) is read one after another, without finding their ends first."""
@@ -454,16 +474,17 @@ _ERR_REPR = reprlib.Repr()
 _ERR_REPR.maxlevel, _ERR_REPR.maxstring, _ERR_REPR.maxother = 2, 200, 60
 
 
-def _check_tree(obj, path) -> None:
+def _check_tree(obj: Any, path: str) -> None:
     """Walk the loaded tree once, level by level, within the budgets (a shared node is counted each
     time it is reached, so a DAG or a cycle that a later walk would expand runs out of budget here)."""
-    level, depth, count = [obj], 0, 0
+    level: list[Any] = [obj]
+    depth, count = 0, 0
     while level:
         if depth > MAX_DEPTH:
             raise CheckpointError(f"{path}: its pickle nests deeper than {MAX_DEPTH} levels; no checkpoint "
                                   "does that: the file is corrupt or crafted")
         count += len(level)
-        below = []
+        below: list[Any] = []
         for node in level:
             t = type(node)
             if t in _ATOMS or isinstance(node, Leaf):
