@@ -5,9 +5,10 @@ import json
 import os
 import shutil
 import stat
-from typing import Iterable, List
+from typing import Iterable, List, Optional, Tuple
 
 from .errors import DestinationError
+from .guards import StrPath
 from .outfiles import NOFOLLOW, open_dir, open_new
 from ._staging import (JOURNAL, JOURNAL_LIMIT, LOCK_SUFFIX, OWNER_SUFFIX, STAGING_NAME, CommitStrategy, DirLock,
                        disk_error, make_dirs, make_owned, plain_name, remove_made_dirs, read_marker, remove_dir, signals_held, writer_alive,
@@ -30,14 +31,18 @@ class MergeIntoCheckpoint(CommitStrategy):
     finishes an interrupted commit.
     """
 
-    def __init__(self, dst, *, replace_existing: bool = True):
+    _lock: DirLock  # made here, never None
+    _name: str
+
+    def __init__(self, dst: StrPath, *, replace_existing: bool = True) -> None:
         self.dst = os.path.abspath(os.fspath(dst))
         self.path = os.path.join(self.dst, STAGING_NAME)
         parent, base = os.path.split(self.dst)
         self.lock_path = os.path.join(parent, f".{base}{LOCK_SUFFIX}")
         self.replace_existing = replace_existing
         self._lock = DirLock(self.lock_path, self.dst)
-        self._dir = self._nonce = None
+        self._dir = None
+        self._nonce = None
         self._name = STAGING_NAME
         self.warnings: List[str] = []
         self._state = "new"
@@ -75,9 +80,9 @@ class MergeIntoCheckpoint(CommitStrategy):
         """Under the lock: finish a commit a crash interrupted (its journal is in the staging
         directory), or remove an unfinished staging directory. True when a commit was finished.
         Only a real directory whose owner marker is ours and whose writer is gone is touched."""
-        d = self._dir if self._dir is not None else None
+        d = self._dir
         opened = d is None
-        if opened:
+        if d is None:
             d = open_dir(self.dst)
         try:
             return self._recover(d)
@@ -109,7 +114,7 @@ class MergeIntoCheckpoint(CommitStrategy):
             os.unlink(STAGING_NAME + OWNER_SUFFIX, dir_fd=d)
         return journal is not None
 
-    def _read_journal(self, d: int):
+    def _read_journal(self, d: int) -> Optional[Tuple[List[str], bool]]:
         """``(names, replace_existing)`` from the staging directory's journal, None without one;
         refused when it is not what :meth:`commit` writes (plain names of regular staged files)."""
         sd = os.open(STAGING_NAME, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | NOFOLLOW, dir_fd=d)
@@ -149,14 +154,14 @@ class MergeIntoCheckpoint(CommitStrategy):
         if self._state != "staged":
             return
         self._state = "done"
-        names = sorted(names, key=lambda n: (n.endswith(".index.json"), n))  # index files last
+        ordered = sorted(names, key=lambda n: (n.endswith(".index.json"), n))  # index files last
         try:
             try:
-                for n in names:
+                for n in ordered:
                     fsync_path(os.path.join(self.path, n))
                 tmp = os.path.join(self.path, JOURNAL + ".tmp")
                 with open_new(tmp, "w", encoding="utf-8") as fh:
-                    json.dump({"files": names, "replace_existing": self.replace_existing}, fh)
+                    json.dump({"files": ordered, "replace_existing": self.replace_existing}, fh)
                     fh.flush()
                     os.fsync(fh.fileno())
                 os.replace(tmp, os.path.join(self.path, JOURNAL))
@@ -165,7 +170,7 @@ class MergeIntoCheckpoint(CommitStrategy):
                 self._discard_staging()
                 raise disk_error(self.dst, e) from e
             with signals_held():
-                self._apply(names, self.replace_existing)
+                self._apply(ordered, self.replace_existing)
         finally:
             self._release()
 

@@ -18,9 +18,11 @@ import signal
 import socket
 import stat
 import threading
-from typing import Iterable, List, Optional
+from types import ModuleType
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from .errors import DestinationError
+from .guards import StrPath
 from .formats.names import SAVED_WEIGHTS_RE
 from .outfiles import NOFOLLOW, open_dir, open_new
 
@@ -41,7 +43,7 @@ PACKAGE = "hf_ckpt_integrations"
 _MARKER_LIMIT = 4096
 
 
-def fsync_path(path) -> None:
+def fsync_path(path: StrPath) -> None:
     """fsync a file, or a directory (its entries: a rename or a new file in it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -50,7 +52,7 @@ def fsync_path(path) -> None:
         os.close(fd)
 
 
-def disk_error(dst, e: OSError) -> DestinationError:
+def disk_error(dst: Optional[StrPath], e: OSError) -> DestinationError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return DestinationError(f"{dst}: no space left while writing ({e.strerror}); free space or choose "
                                 "another directory — nothing was written")
@@ -66,10 +68,11 @@ class DirLock:
     following a link at its own name, and used only when it is a regular file with one name: a
     link, a hard link or a FIFO planted there is refused, never truncated or written through."""
 
-    def __init__(self, lock_path: str, what: str):
+    def __init__(self, lock_path: str, what: str) -> None:
         self.path = lock_path
         self.what = what
-        self._fd = self._dir = None
+        self._fd: Optional[int] = None  # the lock file, while held
+        self._dir: Optional[int] = None  # its directory, while acquiring or held
 
     def _refuse(self, what: str) -> DestinationError:
         return DestinationError(f"{self.path}: {what}, not the lock file hf-ckpt makes; it was left as it is (not "
@@ -104,7 +107,7 @@ class DirLock:
             self.release()
             raise
 
-    def _acquire(self, fcntl) -> None:
+    def _acquire(self, fcntl: ModuleType) -> None:
         while True:
             fd = self._open()
             try:
@@ -121,7 +124,7 @@ class DirLock:
                 return
             os.close(fd)
 
-    def _same(self, fd) -> bool:
+    def _same(self, fd: int) -> bool:
         try:
             st = os.stat(os.path.basename(self.path), dir_fd=self._dir, follow_symlinks=False)
         except FileNotFoundError:
@@ -146,7 +149,7 @@ class DirLock:
 
 # Nonces of the staging entries this process holds now (a marker of this pid with another nonce
 # was left by an earlier, interrupted write of this same process).
-_LIVE_NONCES: set = set()
+_LIVE_NONCES: Set[Optional[str]] = set()
 
 
 def _nonce() -> str:
@@ -157,7 +160,8 @@ def _host() -> str:
     return socket.gethostname()
 
 
-def make_owned(dir_fd: int, name_of, *, make_dir: bool = True, tries: int = 8):
+def make_owned(dir_fd: int, name_of: Callable[[str], str], *, make_dir: bool = True,
+               tries: int = 8) -> Tuple[str, str]:
     """Create a marked entry in the directory ``dir_fd``: for a fresh nonce, the owner marker
     ``name_of(nonce) + OWNER_SUFFIX`` (``O_EXCL | O_NOFOLLOW``, before the entry, so a crash never
     leaves an unmarked entry of ours), then (``make_dir``) the directory ``name_of(nonce)``.
@@ -196,7 +200,7 @@ def drop_marker(dir_fd: int, name: str, nonce: str) -> None:
         pass
 
 
-def read_marker(dir_fd: int, name: str) -> Optional[dict]:
+def read_marker(dir_fd: int, name: str) -> Optional[Dict[str, Any]]:
     """The owner record of entry ``name`` (its marker: a regular file with one name, small, a JSON
     object of this package naming ``name``), else None."""
     try:
@@ -219,7 +223,7 @@ def read_marker(dir_fd: int, name: str) -> Optional[dict]:
     return record
 
 
-def writer_alive(record: dict) -> Optional[str]:
+def writer_alive(record: Dict[str, Any]) -> Optional[str]:
     """Why the writer that made ``record`` may still be running (None when it is gone)."""
     pid, nonce = record["pid"], record["nonce"]
     if record["host"] != _host():
@@ -249,8 +253,15 @@ class CommitStrategy:
     ``warnings``: what ``begin`` left alone (entries named like ours that are not), for the report.
     """
 
-    dst: str
+    dst: str  # the destination, from begin() on
     warnings: List[str]
+    # What abort() and the cleanup below use, kept by each strategy: the state (new -> staged -> done),
+    # the open directory the staging entry is in, the entry's name and nonce (set by begin), the lock.
+    _state: str
+    _dir: Optional[int]
+    _name: Optional[str]
+    _nonce: Optional[str]
+    _lock: Optional[DirLock]
 
     def begin(self) -> str:
         raise NotImplementedError
@@ -270,6 +281,7 @@ class CommitStrategy:
             self._release()
 
     def _discard_staging(self) -> None:
+        assert self._dir is not None and self._name is not None and self._nonce is not None  # begin made the entry
         try:
             remove_dir(self._dir, self._name)
         except FileNotFoundError:
@@ -281,6 +293,7 @@ class CommitStrategy:
     def _release(self) -> None:
         _LIVE_NONCES.discard(self._nonce)  # this writer is done; a marker left now is a leftover
         try:
+            assert self._lock is not None  # made before begin() may fail
             self._lock.release()
         finally:
             if self._dir is not None:
@@ -288,13 +301,13 @@ class CommitStrategy:
                 self._dir = None
 
 
-def plain_name(n) -> bool:
+def plain_name(n: object) -> bool:
     """A file name of the staging directory: no path, no parent, nothing of ours."""
     return (isinstance(n, str) and 0 < len(n) <= 255 and n not in (".", "..") and "/" not in n and "\\" not in n
             and "\0" not in n and not n.startswith(".hfckpt"))
 
 
-def weight_files(directory) -> List[str]:
+def weight_files(directory: StrPath) -> List[str]:
     """The weight files (and their index) in ``directory``, sorted; [] when it does not exist."""
     try:
         return sorted(n for n in os.listdir(directory) if SAVED_WEIGHTS_RE.match(n))
@@ -306,7 +319,7 @@ _HELD = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if has
 
 
 @contextlib.contextmanager
-def signals_held():
+def signals_held() -> Iterator[None]:
     """Delay SIGINT/SIGTERM/SIGHUP until the block is done: the swap and the removal of the
     previous export run to the end, and the interrupt is raised after them.
 
@@ -318,8 +331,8 @@ def signals_held():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    noted: list = []
-    previous = {}
+    noted: List[int] = []
+    previous: Dict[int, Any] = {}  # signal -> its handler before (a callable, SIG_DFL/SIG_IGN or None)
     try:
         for s in _HELD:
             previous[s] = signal.signal(s, lambda signum, frame: noted.append(signum))
@@ -331,7 +344,7 @@ def signals_held():
             signal.raise_signal(s)
 
 
-def subdirectory(path) -> Optional[str]:
+def subdirectory(path: StrPath) -> Optional[str]:
     """The name of one subdirectory of ``path`` (not following links), or None for a flat directory."""
     with os.scandir(path) as it:
         for entry in it:
@@ -340,18 +353,18 @@ def subdirectory(path) -> Optional[str]:
     return None
 
 
-def make_dirs(path) -> List[str]:
+def make_dirs(path: StrPath) -> List[str]:
     """``os.makedirs(path, exist_ok=True)``, returning the directories it created, outermost first,
     so that a caller that fails later can remove them (:func:`remove_made_dirs`)."""
     path = os.path.abspath(os.fspath(path))
-    missing = []
+    missing: List[str] = []
     while not os.path.lexists(path):
         missing.append(path)
         parent = os.path.dirname(path)
         if parent == path:
             break
         path = parent
-    made = []
+    made: List[str] = []
     try:
         for d in reversed(missing):
             try:

@@ -29,12 +29,15 @@ import os
 import sys
 import threading
 import weakref
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Dict, Iterator, Optional, Sequence
 
 import numpy as np
 
 from .formats.dtypes import NUMPY_BITS
 from .formats.file_ranges import read_into
+
+if TYPE_CHECKING:
+    from .boxes import Piece
 
 __all__ = ["can_cast", "cast_array", "cast_bytes", "iter_cast", "CHUNK_ELEMENTS"]
 
@@ -56,17 +59,17 @@ def can_cast(src: str, dst: str) -> bool:
 class _Scratch:
     """The reused buffers of one cast stream (one per generator, so threads never share)."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int) -> None:
         self.n = n
-        self.inp = np.empty(4 * n, np.uint8)  # the bytes read
-        self.out = np.empty(4 * n, np.uint8)  # the bytes yielded
-        self.tmp = np.empty(n, np.uint32)
-        self.wide = np.empty(n, np.uint32)
-        self.mid = np.empty(n, np.uint32)  # F16 <-> BF16 go through fp32
-        self.mask = np.empty(n, np.bool_)
+        self.inp: np.ndarray = np.empty(4 * n, np.uint8)  # the bytes read
+        self.out: np.ndarray = np.empty(4 * n, np.uint8)  # the bytes yielded
+        self.tmp: np.ndarray = np.empty(n, np.uint32)
+        self.wide: np.ndarray = np.empty(n, np.uint32)
+        self.mid: np.ndarray = np.empty(n, np.uint32)  # F16 <-> BF16 go through fp32
+        self.mask: np.ndarray = np.empty(n, np.bool_)
 
 
-def _f32_to_bf16(u32, out, s: _Scratch):
+def _f32_to_bf16(u32: np.ndarray, out: np.ndarray, s: _Scratch) -> None:
     n = len(u32)
     t, mask = s.tmp[:n], s.mask[:n]
     # Round to nearest even: add 0x7FFF plus the lowest kept bit, keep the high half.
@@ -81,13 +84,14 @@ def _f32_to_bf16(u32, out, s: _Scratch):
         np.copyto(out, 0xFFFF, where=mask)
 
 
-def _f32_to_f16(u32, out, s: _Scratch):
+def _f32_to_f16(u32: np.ndarray, out: np.ndarray, s: _Scratch) -> None:
     """IEEE round-to-nearest-even with the float unit doing the rounding (the FP16 library's
     ``fp16_ieee_from_fp32_value``, which torch's scalar path uses): about twice numpy's own
     float16 conversion loop."""
     n = len(u32)
     t, w, mask = s.tmp[:n], s.wide[:n], s.mask[:n]
-    f, tf = u32.view(np.float32), t.view(np.float32)
+    f: np.ndarray = u32.view(np.float32)
+    tf: np.ndarray = t.view(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         # base = |f| scaled so that the fp32 addition below rounds at fp16's precision (overflow -> inf)
         np.abs(f, out=tf)
@@ -113,22 +117,23 @@ def _f32_to_f16(u32, out, s: _Scratch):
         out[mask] = (((bad >> 16) & 0x8000) | 0x7E00 | ((bad >> 13) & 0x3FF)).astype(np.uint16)
 
 
-def _bf16_to_f32(u16, out, s: _Scratch):
+def _bf16_to_f32(u16: np.ndarray, out: np.ndarray, s: _Scratch) -> None:
     np.copyto(out, u16, casting="unsafe")
     np.left_shift(out, 16, out=out)
 
 
-def _f16_to_f32(u16, out, s: _Scratch):
+def _f16_to_f32(u16: np.ndarray, out: np.ndarray, s: _Scratch) -> None:
     n = len(u16)
     mask = s.mask[:n]
-    f = out.view(np.float32)
+    f: np.ndarray = out.view(np.float32)
     np.copyto(f, u16.view(np.float16), casting="unsafe")  # exact
     np.isnan(f, out=mask)
     if mask.any():
         np.bitwise_or(out, 0x00400000, out=out, where=mask)  # quiet a signalling NaN, keep its payload
 
 
-def cast_array(src: str, dst: str, a: np.ndarray, out: np.ndarray = None, scratch: _Scratch = None) -> np.ndarray:
+def cast_array(src: str, dst: str, a: np.ndarray, out: Optional[np.ndarray] = None,
+               scratch: Optional[_Scratch] = None) -> np.ndarray:
     """Cast the raw bits ``a`` (a uint16/uint32 array of dtype ``src``) to ``dst`` bits.
 
     ``out`` and ``scratch`` let a caller reuse buffers; the result is ``out`` (or a new array).
@@ -158,7 +163,7 @@ def cast_array(src: str, dst: str, a: np.ndarray, out: np.ndarray = None, scratc
     return out
 
 
-def cast_bytes(raw, src: str, dst: str) -> bytes:
+def cast_bytes(raw: "bytes | bytearray | memoryview", src: str, dst: str) -> bytes:
     """The little-endian bytes ``raw`` of ``src`` values cast to ``dst`` (:func:`cast_array`): the
     same bits the export writes, for a caller holding a few values (the planner's placement
     samples). ``src == dst`` returns the bytes unchanged."""
@@ -171,11 +176,11 @@ def cast_bytes(raw, src: str, dst: str) -> bytes:
 
 # Open file descriptors per MappedFiles instance (the run's file set): one open per source file,
 # closed when that instance goes away.
-_fds = weakref.WeakKeyDictionary()
+_fds: "weakref.WeakKeyDictionary[object, Dict[str, int]]" = weakref.WeakKeyDictionary()
 _fds_lock = threading.Lock()
 
 
-def _close_all(fds: dict) -> None:
+def _close_all(fds: Dict[str, int]) -> None:
     for fd in fds.values():
         try:
             os.close(fd)
@@ -183,7 +188,7 @@ def _close_all(fds: dict) -> None:
             pass
 
 
-def _fd(owner, path: str) -> int:
+def _fd(owner: object, path: str) -> int:
     with _fds_lock:
         fds = _fds.get(owner)
         if fds is None:
@@ -197,7 +202,8 @@ def _fd(owner, path: str) -> int:
         return fd
 
 
-def iter_cast(pieces: Sequence, dst: str, owner, *, chunk: int = CHUNK_ELEMENTS) -> Iterator[memoryview]:
+def iter_cast(pieces: Sequence["Piece"], dst: str, owner: object, *, chunk: int = CHUNK_ELEMENTS
+              ) -> Iterator[memoryview]:
     """Yield the bytes of ``pieces`` (each with ``path``, ``offset``, ``numel``, ``dtype``) cast
     to ``dst``, a chunk at a time.
 
@@ -218,8 +224,9 @@ def iter_cast(pieces: Sequence, dst: str, owner, *, chunk: int = CHUNK_ELEMENTS)
         while done < p.numel:
             n = min(s.n, p.numel - done)
             raw = s.inp[:n * isize]
-            read_into(fd, memoryview(raw), p.offset + done * isize, p.path)
+            assert fd is not None  # opened: p.numel > 0
+            read_into(fd, raw.data, p.offset + done * isize, p.path)  # (.data: the array's memoryview)
             out = s.out[:n * osize]
             cast_array(p.dtype, dst, raw.view(itype), out.view(_NP[dst]), s)
-            yield memoryview(out)
+            yield out.data
             done += n

@@ -31,9 +31,14 @@ Accelerate's state, which on a CPU-only DeepSpeed launch reports one process on 
 
 import contextlib
 import os
-from typing import Callable, Dict, List, Optional, TypeVar, Union
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union, cast
 
 from .errors import CheckpointError, DestinationError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
 
 __all__ = ["WriteError", "Comm", "TorchComm", "default_comm", "torchrun_comm", "failure_message",
            "collective_device", "Traffic"]
@@ -48,13 +53,13 @@ class WriteError(DestinationError):
     Nothing of the failed write is visible at the destination.
     """
 
-    def __init__(self, what: str, failures: Dict[int, str], consequence: str = "nothing was written"):
+    def __init__(self, what: str, failures: Dict[int, str], consequence: str = "nothing was written") -> None:
         self.what = what
         self.failures = {int(r): str(m) for r, m in failures.items()}
         lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(self.failures.items()))
         super().__init__(f"{what} failed on rank(s) {sorted(self.failures)} — {lines}; {consequence}")
 
-    def __reduce__(self):
+    def __reduce__(self) -> Tuple[type, Tuple[str, Dict[int, str]]]:
         return (type(self), (self.what, self.failures))
 
 
@@ -74,7 +79,7 @@ class Comm:
         """Rank 0's ``obj`` on every rank."""
         return obj
 
-    def all_gather(self, obj) -> list:
+    def all_gather(self, obj: T) -> List[T]:
         """Every rank's ``obj``, in rank order, on every rank."""
         return [obj]
 
@@ -101,7 +106,8 @@ class Comm:
         the same :class:`WriteError` (with one process: ``fn``'s own exception). Collective."""
         if self.world == 1:
             return fn()
-        result, failure = None, None
+        result: Optional[T] = None
+        failure: Optional[str] = None
         if self.rank == 0:
             try:
                 result = fn()
@@ -110,7 +116,7 @@ class Comm:
         result, failure = self.broadcast((result, failure))
         if failure is not None:
             raise WriteError(what, {0: failure}, consequence)
-        return result
+        return cast(T, result)  # fn's result on rank 0, broadcast
 
 
 def _device_types(backend: str) -> List[str]:
@@ -123,7 +129,7 @@ def _device_types(backend: str) -> List[str]:
     return list(dist.Backend.backend_capability.get(backend, ["cpu"]))
 
 
-def collective_device(group=None):
+def collective_device(group: "Optional[ProcessGroup]" = None) -> "torch.device":
     """The device a tensor must be on to take part in a collective of ``group`` (default: the
     world): the CPU when the group's backend moves CPU tensors (gloo), else this rank's accelerator
     device — the group's bound device (``init_process_group(device_id=...)``), else the current
@@ -164,27 +170,28 @@ class Traffic:
       grouped call on the group's communicator, not a 2-rank communicator per pair).
     """
 
-    def __init__(self, dist=None, what: str = "reading the live model"):
+    def __init__(self, dist: Optional[ModuleType] = None, what: str = "reading the live model") -> None:
         if dist is None:
-            import torch.distributed as dist
+            import torch.distributed
+            dist = torch.distributed
         self.dist, self.what = dist, what
         self.rank = dist.get_rank()
         self.failed: Optional[WriteError] = None
-        self._device = None
+        self._device: "Optional[torch.device]" = None
 
     @property
-    def device(self):
+    def device(self) -> "torch.device":
         if self._device is None:
             self._device = collective_device()
         return self._device
 
-    def stage(self, t):
+    def stage(self, t: "torch.Tensor") -> "torch.Tensor":
         """``t`` on :attr:`device` (a copy when it is elsewhere)."""
         if t.device == self.device:
             return t
         return t.to(self.device, non_blocking=False)
 
-    def empty(self, numel: int, dtype):
+    def empty(self, numel: int, dtype: "torch.dtype") -> "torch.Tensor":
         """A receive buffer on :attr:`device`."""
         import torch
 
@@ -206,7 +213,7 @@ class Traffic:
             self.failed = e
             raise
 
-    def exchange(self, ops) -> None:
+    def exchange(self, ops: Sequence[Tuple[Callable[..., Any], "torch.Tensor", int]]) -> None:
         """Run point-to-point ``ops`` (``(dist.isend | dist.irecv, tensor, peer)``) as one batch and wait."""
         if not ops:
             return
@@ -215,10 +222,10 @@ class Traffic:
             w.wait()
 
 
-_SIDE_GROUPS: dict = {}
+_SIDE_GROUPS: "Dict[int, Tuple[ProcessGroup, ProcessGroup]]" = {}  # id(world) -> (world, its gloo side group)
 
 
-def _object_group(dist, group):
+def _object_group(dist: ModuleType, group: "Optional[ProcessGroup]") -> "Optional[ProcessGroup]":
     """The group pickled objects travel on: ``group`` when it moves CPU tensors, else (the default
     group on NCCL) a gloo group over the same ranks, created once — on every rank, at the same
     call, since every rank makes the same calls."""
@@ -246,27 +253,28 @@ class TorchComm(Comm):
     """``torch.distributed`` (``group``, default the world): a few small pickled objects travel, on
     the CPU (a gloo side group when the default group is NCCL: see the module doc)."""
 
-    def __init__(self, dist=None, group=None):
+    def __init__(self, dist: Optional[ModuleType] = None, group: "Optional[ProcessGroup]" = None) -> None:
         if dist is None:
-            import torch.distributed as dist
+            import torch.distributed
+            dist = torch.distributed
         self.dist, self.group = dist, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self._objects = None
+        self._objects: "Optional[ProcessGroup]" = None
 
     @property
-    def objects(self):
+    def objects(self) -> "Optional[ProcessGroup]":
         if self._objects is None:
             self._objects = _object_group(self.dist, self.group)
         return self._objects
 
-    def broadcast(self, obj):
+    def broadcast(self, obj: T) -> T:
         box = [obj]
         src = 0 if self.group is None else self.dist.get_global_rank(self.group, 0)
         self.dist.broadcast_object_list(box, src=src, group=self.objects)
         return box[0]
 
-    def all_gather(self, obj) -> list:
-        out: List = [None] * self.world
+    def all_gather(self, obj: T) -> List[T]:
+        out: List[Any] = [None] * self.world
         self.dist.all_gather_object(out, obj, group=self.objects)
         return out
 
@@ -287,7 +295,7 @@ def default_comm() -> Comm:
 
 
 @contextlib.contextmanager
-def torchrun_comm(group=None):
+def torchrun_comm(group: "Optional[ProcessGroup]" = None) -> Iterator[TorchComm]:
     """A :class:`TorchComm` of ``group`` for a process started by ``torchrun`` (or any launcher
     setting ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): the default process group
     is created from that environment (backend gloo) when none exists, and destroyed on exit."""

@@ -39,10 +39,11 @@ import errno
 import os
 import stat
 import sys
-from typing import Iterable, List, Optional
+from types import TracebackType
+from typing import Callable, Iterable, List, Literal, Optional, Tuple, Type, Union
 
 from .errors import DestinationError, option
-from .guards import check_destination, is_or_holds
+from .guards import StrPath, check_destination, is_or_holds
 from .outfiles import open_dir
 # The lock, the owner markers and the interface live in ._staging, the save-time merge in
 # ._merge_commit; every name stays importable from here.
@@ -111,12 +112,15 @@ class SiblingSwap(CommitStrategy):
 
     LOCK_SUFFIX = LOCK_SUFFIX
 
-    def __init__(self, dst, *, overwrite: Optional[bool] = False, inputs=(), configs=()):
+    def __init__(self, dst: StrPath, *, overwrite: Optional[bool] = False,
+                 inputs: Iterable[Union[str, Tuple[str, str]]] = (), configs: Iterable[Optional[str]] = ()) -> None:
         # overwrite None: the caller offers no way to replace dst (hf-ckpt universal), so the refusal
         # of an existing one names no option.
         self._raw, self._inputs, self._configs = dst, list(inputs), list(configs)
         self.overwrite = overwrite
-        self.dst = self.path = self.lock_path = None
+        self.dst = None  # type: ignore[assignment]  # a str from begin() on (CommitStrategy.dst)
+        self.path: Optional[str] = None
+        self.lock_path: Optional[str] = None
         self._lock = self._dir = self._name = self._nonce = None
         self.warnings: List[str] = []
         self._state = "new"  # new -> staged -> done
@@ -128,11 +132,12 @@ class SiblingSwap(CommitStrategy):
         self.lock_path = os.path.join(self._parent, f".{self._base}{LOCK_SUFFIX}")
         self._lock = DirLock(self.lock_path, self.dst)
 
-    def _entry_name(self, kind: str = ""):
+    def _entry_name(self, kind: str = "") -> Callable[[str], str]:
         return lambda nonce: f"{self._prefix}{kind}{os.getpid()}-{nonce}"
 
     def _stale_problem(self, name: str) -> Optional[str]:
         """Why the temp sibling ``name`` must be left alone (None when it is a leftover of ours)."""
+        assert self._dir is not None  # under the lock: begin opened it
         record = read_marker(self._dir, name)
         rest = name[len(self._prefix):]
         if rest.startswith("old-"):
@@ -149,8 +154,8 @@ class SiblingSwap(CommitStrategy):
         if not stat.S_ISDIR(st.st_mode):
             return "it is not a directory"
         path = os.path.join(self._parent, name)
-        for kept in [*self._inputs, *self._configs]:  # (lying inside one: dst's parent is checked)
-            kept = kept[0] if isinstance(kept, tuple) else kept
+        for item in [*self._inputs, *self._configs]:  # (lying inside one: dst's parent is checked)
+            kept = item[0] if isinstance(item, tuple) else item
             if kept and is_or_holds(path, kept):
                 return f"it is or holds {kept}, which this export reads"
         sub = subdirectory(path)
@@ -160,6 +165,7 @@ class SiblingSwap(CommitStrategy):
 
     def _remove_stale(self) -> None:
         """Under the lock: remove what dead writers left (see the class doc); warn about the rest."""
+        assert self._dir is not None  # begin opened it
         names = set(os.listdir(self._dir))
         entries = {n[:-len(OWNER_SUFFIX)] if n.endswith(OWNER_SUFFIX) else n
                    for n in names if n.startswith(self._prefix)}
@@ -201,6 +207,7 @@ class SiblingSwap(CommitStrategy):
             try:
                 made = make_dirs(self._parent)
                 self._dir = open_dir(self._parent)
+                assert self._lock is not None  # _resolve made it
                 self._lock.acquire()
                 self._remove_stale()
                 if os.path.lexists(self.dst):
@@ -220,6 +227,7 @@ class SiblingSwap(CommitStrategy):
             self._release()
             remove_made_dirs(made)
             raise
+        assert self.path is not None  # staged
         return self.path
 
     def commit(self, names: Iterable[str] = ()) -> None:
@@ -228,6 +236,7 @@ class SiblingSwap(CommitStrategy):
         if self._state != "staged":
             return
         self._state = "done"
+        assert self.path is not None and self._dir is not None  # staged
         try:
             fsync_path(self.path)
             with signals_held():  # an interrupt lands before the swap or after its cleanup
@@ -242,7 +251,8 @@ class SiblingSwap(CommitStrategy):
     def __enter__(self) -> str:
         return self.begin()
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> Literal[False]:
         if exc_type is None:
             self.commit()
             return False
@@ -253,6 +263,7 @@ class SiblingSwap(CommitStrategy):
 
     def _swap(self) -> None:
         d, name, base = self._dir, self._name, self._base
+        assert d is not None and name is not None and self._nonce is not None  # staged
         if not os.path.lexists(self.dst):
             if not _renameat2(name, base, _RENAME_NOREPLACE, d):
                 os.rename(name, base, src_dir_fd=d, dst_dir_fd=d)

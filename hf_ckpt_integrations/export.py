@@ -6,9 +6,11 @@ Runs the one writer (:func:`~.orchestrator.write`) on the plan, with one rank an
 :func:`~.parallel.write_plan_parallel`'s).
 """
 
-from typing import List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
+from .guards import StrPath
 from .orchestrator import write
+from .formats.out_tensor import OutTensor
 from .plan import ExportPlan
 from .formats.config import write_config
 from .writer import MAX_SHARD_SIZE, check_max_shard_size, check_workers, copy_adapter_config, decided, export_strategy
@@ -16,8 +18,9 @@ from .writer import MAX_SHARD_SIZE, check_max_shard_size, check_workers, copy_ad
 __all__ = ["write_plan", "export_finisher"]
 
 
-def write_plan(plan: ExportPlan, dst, *, dtype: Optional[str] = None, max_shard_size=MAX_SHARD_SIZE,
-               overwrite: bool = False, quiet: bool = False, workers: int = 1) -> dict:
+def write_plan(plan: ExportPlan, dst: StrPath, *, dtype: Optional[str] = None,
+               max_shard_size: Optional[Union[int, str]] = MAX_SHARD_SIZE,
+               overwrite: bool = False, quiet: bool = False, workers: int = 1) -> Dict[str, Any]:
     """Write ``plan`` to ``dst`` in one process; return a report (files, bytes, seconds).
 
     Runs the one writer (:func:`~.orchestrator.write`) with one rank and the
@@ -38,9 +41,9 @@ def write_plan(plan: ExportPlan, dst, *, dtype: Optional[str] = None, max_shard_
     return _export_report(report)
 
 
-def export_finisher(plan: ExportPlan):
+def export_finisher(plan: ExportPlan) -> Callable[[str, Sequence[OutTensor]], Dict[str, Any]]:
     """The ``finish`` step of an export: the config and tokenizer files, with the dtype recorded."""
-    def finish(staging, tensors):
+    def finish(staging: str, tensors: Sequence[OutTensor]) -> Dict[str, Any]:
         skipped: List[str] = []
         if plan.adapter is not None:  # a PEFT adapter directory: its adapter_config.json, no model config
             return {"config_files": copy_adapter_config(plan.adapter["config"], staging, skipped), "warnings": skipped}
@@ -50,6 +53,6 @@ def export_finisher(plan: ExportPlan):
     return finish
 
 
-def _export_report(report: dict) -> dict:
+def _export_report(report: Dict[str, Any]) -> Dict[str, Any]:
     keys = ("destination", "files", "shards", "tensor_bytes", "bytes_on_disk", "config_files", "warnings", "seconds")
     return {k: report[k] for k in keys}

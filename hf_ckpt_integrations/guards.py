@@ -12,9 +12,15 @@ import os
 import re
 import stat
 from contextlib import contextmanager
-from typing import Iterable, Optional, Tuple
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator, MutableMapping, Optional, Tuple, Union
 
 from .errors import CheckpointError, DestinationError, LayoutError, OptionError, one_line, short_repr
+
+if TYPE_CHECKING:
+    from .plan import ExportPlan
+
+# A path as callers hand it over (``str`` or ``pathlib.Path``): everything here takes it through os.fspath.
+StrPath = Union[str, "os.PathLike[str]"]
 
 __all__ = ["open_regular", "check_inside", "source_root", "plan_paths", "read_small_text", "read_latest", "check_tag_name", "config_problem", "read_config", "copyable_problem",
            "check_destination", "is_or_holds", "bad_metadata_as_input", "refuse_unreadable_layouts", "claim_file", "LATEST_LIMIT", "CONFIG_LIMIT",
@@ -25,7 +31,7 @@ CONFIG_LIMIT = 16 * 2**20  # config.json; a real one is a few KB
 _TAG_SHOWN = 64  # at most this much of a tag name is ever quoted back
 
 
-def read_small_text(path, *, limit: int, what: str) -> str:
+def read_small_text(path: StrPath, *, limit: int, what: str) -> str:
     """The UTF-8 text of ``path``, which must be a regular file (not a link, FIFO or device) of at
     most ``limit`` bytes. Never quotes the content in an error."""
     path = os.fspath(path)
@@ -53,7 +59,7 @@ def read_small_text(path, *, limit: int, what: str) -> str:
         raise CheckpointError(f"{path}: {what} is not UTF-8 text; the file is corrupt: replace it") from None
 
 
-def _outside(path: str, root, what: str) -> Optional[str]:
+def _outside(path: str, root: StrPath, what: str) -> Optional[str]:
     real, real_root = os.path.realpath(path), os.path.realpath(os.fspath(root))
     if _inside(real, real_root):
         return None
@@ -62,7 +68,7 @@ def _outside(path: str, root, what: str) -> Optional[str]:
             "export); replace the link with the file itself, or remove it")
 
 
-def source_root(src) -> str:
+def source_root(src: StrPath) -> str:
     """The tree the files of the checkpoint ``src`` belong to: ``src`` itself, except for a Hugging
     Face cache snapshot (``…/models--x/snapshots/<rev>``, whose files are links into ``…/blobs``),
     which belongs to its repository folder."""
@@ -73,12 +79,12 @@ def source_root(src) -> str:
     return real
 
 
-def check_inside(paths: Iterable[str], root, *, what: str = "a file the export reads") -> None:
+def check_inside(paths: Iterable[StrPath], root: StrPath, *, what: str = "a file the export reads") -> None:
     """Refuse (:class:`CheckpointError`, naming the first) a path of ``paths`` that resolves outside
     ``root``: a link inside the tree is fine, one leading out of it is not."""
     seen = set()
-    for path in paths:
-        path = os.fspath(path)
+    for p in paths:
+        path = os.fspath(p)
         if path in seen:
             continue
         seen.add(path)
@@ -87,7 +93,7 @@ def check_inside(paths: Iterable[str], root, *, what: str = "a file the export r
             raise CheckpointError(problem)
 
 
-def plan_paths(plan) -> Iterable[str]:
+def plan_paths(plan: "ExportPlan") -> Iterator[str]:
     """Every file path an :class:`~.plan.ExportPlan` reads bytes from (its pieces, replicas, chunks,
     module copies, tied copies) and the files it lists."""
     yield from plan.files
@@ -102,7 +108,8 @@ def plan_paths(plan) -> Iterable[str]:
                 yield p.path
 
 
-def open_regular(path, *, root=None, limit: Optional[int] = None, what: str = "the file"):
+def open_regular(path: StrPath, *, root: Optional[StrPath] = None, limit: Optional[int] = None,
+                 what: str = "the file") -> BinaryIO:
     """A binary file object reading ``path``, the way every file a source or an option reads is
     opened: it must resolve inside ``root`` when one is given (:func:`check_inside`), be a regular
     file (opened ``O_NONBLOCK``, then checked on the descriptor: a FIFO refuses instead of hanging,
@@ -142,7 +149,7 @@ def check_tag_name(tag: str, origin: str) -> str:
     return tag
 
 
-def read_latest(path) -> str:
+def read_latest(path: StrPath) -> str:
     """The tag name the DeepSpeed ``latest`` file at ``path`` holds (checked by :func:`check_tag_name`)."""
     text = read_small_text(path, limit=LATEST_LIMIT, what="the 'latest' file")
     tag = text.strip()
@@ -150,37 +157,37 @@ def read_latest(path) -> str:
         what = f"{len(text)} NUL bytes" if text and not text.strip("\0") else "nothing"
         raise CheckpointError(f"{path}: holds {what} instead of a tag name (the save was interrupted while writing "
                               "it); pass --tag with the tag directory to read")
-    return check_tag_name(tag, path)
+    return check_tag_name(tag, os.fspath(path))
 
 
 def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def is_or_holds(path, other) -> bool:
+def is_or_holds(path: StrPath, other: StrPath) -> bool:
     """Whether ``path`` (after resolving links) is ``other`` or a directory holding it."""
     return _inside(os.path.realpath(os.fspath(other)), os.path.realpath(os.fspath(path)))
 
 
-def copyable_problem(path, root) -> Optional[str]:
+def copyable_problem(path: StrPath, root: StrPath) -> Optional[str]:
     """Why ``path`` must not be read or copied as a file of the directory ``root`` (None when it may):
     it must resolve to a regular file inside ``root`` (a link inside the tree is fine; one that
     leads out of it could expose any file of this machine in an export that users upload)."""
-    path, root = os.fspath(path), os.fspath(root)
-    real, real_root = os.path.realpath(path), os.path.realpath(root)
+    p, r = os.fspath(path), os.fspath(root)
+    real, real_root = os.path.realpath(p), os.path.realpath(r)
     if not _inside(real, real_root):
-        return (f"{path}: a symbolic link to a file outside {root}; not copied (copy the file itself into the "
+        return (f"{p}: a symbolic link to a file outside {r}; not copied (copy the file itself into the "
                 "export by hand if it is meant to be there)")
     try:
         st = os.stat(real)
     except OSError as e:
-        return f"{path}: cannot read it ({e.strerror}); not copied"
+        return f"{p}: cannot read it ({e.strerror}); not copied"
     if not stat.S_ISREG(st.st_mode):
-        return f"{path}: not a regular file; not copied"
+        return f"{p}: not a regular file; not copied"
     return None
 
 
-def config_problem(config_dir) -> Optional[str]:
+def config_problem(config_dir: StrPath) -> Optional[str]:
     """Why ``config_dir/config.json`` cannot serve as the model's config (None when it can)."""
     p = os.path.join(os.fspath(config_dir), "config.json")
     if not os.path.lexists(p):
@@ -188,7 +195,7 @@ def config_problem(config_dir) -> Optional[str]:
     return copyable_problem(p, config_dir)
 
 
-def read_config(config_dir) -> dict:
+def read_config(config_dir: StrPath) -> dict[str, Any]:
     """``config_dir/config.json`` as a dict: a regular file inside ``config_dir``, bounded, a JSON object."""
     p = os.path.join(os.fspath(config_dir), "config.json")
     problem = config_problem(config_dir)
@@ -209,7 +216,8 @@ def read_config(config_dir) -> dict:
     return cfg
 
 
-def check_destination(dst, *, inputs: Iterable[str] = (), configs: Iterable[str] = ()) -> str:
+def check_destination(dst: StrPath, *, inputs: Iterable[Union[str, Tuple[str, str]]] = (),
+                      configs: Iterable[Optional[str]] = ()) -> str:
     """The real path to export into, after refusing destinations that would lose data.
 
     ``inputs`` are the directories read (the source, the directories of its files; an item may be
@@ -227,8 +235,8 @@ def check_destination(dst, *, inputs: Iterable[str] = (), configs: Iterable[str]
     real = os.path.realpath(raw)
     if real == os.path.dirname(real):
         raise DestinationError(f"{raw}: is the root of the file system; pass a new directory to write")
-    for src in inputs:
-        src, role = src if isinstance(src, tuple) else (src, "the source")
+    for item in inputs:
+        src, role = item if isinstance(item, tuple) else (item, "the source")
         if not src:
             continue
         r = os.path.realpath(src)
@@ -248,7 +256,7 @@ def check_destination(dst, *, inputs: Iterable[str] = (), configs: Iterable[str]
 
 
 @contextmanager
-def bad_metadata_as_input(where):
+def bad_metadata_as_input(where: str) -> Iterator[None]:
     """Turn the errors that malformed metadata raises while a plan is built (a list where a dict
     belongs, a missing key, a number that is a string) into :class:`~.errors.LayoutError` naming
     ``where``: they are bad input (exit 2), not bugs. The original stays chained for ``--debug``."""
@@ -288,13 +296,15 @@ def refuse_unreadable_layouts(tag_dir: str, names: Iterable[str]) -> None:
     zero3 = {m.group(1) for m in map(_ZERO3_MODEL_RE.match, names) if m}
     both = [n for n in names if (m := _ZERO12_MODEL_RE.match(n)) and m.group(1) in zero3]
     if both:
+        m12 = _ZERO12_MODEL_RE.match(both[0])
+        assert m12 is not None  # both[0] was chosen by this match
         raise LayoutError(f"{tag_dir}: holds {both[0]} (a ZeRO-1/2 save) beside zero_pp_rank_*_mp_rank_"
-                          f"{_ZERO12_MODEL_RE.match(both[0]).group(1)}_model_states.pt (ZeRO-3 saves); files from "
+                          f"{m12.group(1)}_model_states.pt (ZeRO-3 saves); files from "
                           "different saves are mixed: copy one save's tag directory again")
 
 
-def claim_file(slots: dict, key, path: str, *, where: str, what: str = "rank", canonical: Optional[str] = None,
-               value=None) -> None:
+def claim_file(slots: MutableMapping[Any, Any], key: object, path: str, *, where: str, what: str = "rank",
+               canonical: Optional[str] = None, value: object = None) -> None:
     """Place the file ``path`` (or ``value`` standing for it, which must keep a ``path`` attribute or be
     the path) at ``slots[key]``: the one rule every source listing per-rank, per-layer or
     per-partition files follows. Ranks come from the numbers in the names, so ``rank_1`` and
@@ -314,7 +324,7 @@ def claim_file(slots: dict, key, path: str, *, where: str, what: str = "rank", c
     slots[key] = path if value is None else value
 
 
-def dims(value, what: str, where: Optional[str] = None, *, limit: Optional[int] = None) -> Tuple[int, ...]:
+def dims(value: Any, what: str, where: Optional[str] = None, *, limit: Optional[int] = None) -> Tuple[int, ...]:
     """``value`` (a shape, stride, offsets... read from a checkpoint's metadata) as a tuple, if it is a
     list or tuple of at most ``limit`` (default :data:`~.formats.dtypes.MAX_NDIM`) non-negative
     integers (``bool`` is not one); :class:`~.errors.LayoutError` naming ``where`` and ``what`` otherwise.

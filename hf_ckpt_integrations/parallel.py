@@ -21,13 +21,17 @@ only a few small objects travel; the data never leaves the file system).
 """
 
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 
 from .comm import torchrun_comm
+from .guards import StrPath
 from .export import export_finisher
 from .orchestrator import write
 from .plan import ExportPlan
 from .writer import MAX_SHARD_SIZE, check_max_shard_size, decided, export_strategy
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["write_plan_parallel", "world_from_env"]
 
@@ -37,8 +41,9 @@ def world_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
-def write_plan_parallel(plan: Optional[ExportPlan], dst, *, dtype: Optional[str] = None, max_shard_size=MAX_SHARD_SIZE,
-                        overwrite: bool = False, quiet: bool = False, group=None) -> dict:
+def write_plan_parallel(plan: Optional[ExportPlan], dst: StrPath, *, dtype: Optional[str] = None,
+                        max_shard_size: Optional[Union[int, str]] = MAX_SHARD_SIZE, overwrite: bool = False,
+                        quiet: bool = False, group: "Optional[ProcessGroup]" = None) -> Dict[str, Any]:
     """Write ``plan`` to ``dst`` from every rank of ``group``; call on all ranks with the same arguments
     (``plan`` is needed on rank 0 only: the others receive rank 0's).
 
@@ -52,6 +57,7 @@ def write_plan_parallel(plan: Optional[ExportPlan], dst, *, dtype: Optional[str]
     max_shard_size = check_max_shard_size(max_shard_size)  # the same answer on every rank, before any collective
     with torchrun_comm(group) as comm:
         plan = comm.broadcast(plan if comm.rank == 0 else None)
+        assert plan is not None, "rank 0 passes the plan"
         strategy = export_strategy(dst, plan, overwrite=overwrite)
         report = write(decided(plan, dtype), strategy, comm=comm, max_shard_size=max_shard_size,
                        finish=export_finisher(plan), quiet=quiet,

@@ -20,30 +20,34 @@ Policy, the same for every path (offline export, torchrun export, save-time hook
 import json
 import os
 import warnings
-from typing import Iterable, List, Optional
+from typing import TYPE_CHECKING, Any, Iterable, List, Optional
 
 from ..errors import OptionError, option
+from ..guards import StrPath
 from ..outfiles import replace_file
 from . import dtypes as _dtypes
 from .names import CONFIG_FILES, CONFIG_NAME
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["config_dir_of", "write_config", "copy_config_files", "save_model_config", "record_dtype", "config_dtype_key",
            "transformers_major"]
 
 
-def config_dir_of(config) -> Optional[str]:
+def config_dir_of(config: Optional[StrPath]) -> Optional[str]:
     """``config`` (``--config``/``config=``: the model's ``config.json``, or the directory holding it)
     as the directory the sources read; None stays None. A file by another name is refused
     (:class:`~..errors.OptionError`): the tokenizer and generation files are looked for beside it."""
     if config is None:
         return None
-    config = os.fspath(config)
-    if os.path.isfile(config):
-        if os.path.basename(config) != CONFIG_NAME:
-            raise OptionError(f"{config}: {option('config', 'PATH')} takes a file named config.json or the "
+    path = os.fspath(config)
+    if os.path.isfile(path):
+        if os.path.basename(path) != CONFIG_NAME:
+            raise OptionError(f"{path}: {option('config', 'PATH')} takes a file named config.json or the "
                               "directory holding the model's config.json (its tokenizer files are read beside it)")
-        return os.path.dirname(config) or "."
-    return config
+        return os.path.dirname(path) or "."
+    return path
 
 
 def transformers_major() -> Optional[int]:
@@ -57,7 +61,8 @@ def transformers_major() -> Optional[int]:
         return None
 
 
-def write_config(directory, *, config_dir: Optional[str] = None, model=None, tensor_dtypes: Iterable[str] = (),
+def write_config(directory: StrPath, *, config_dir: Optional[str] = None, model: "Optional[torch.nn.Module]" = None,
+                 tensor_dtypes: Iterable[str] = (),
                  skipped: Optional[List[str]] = None) -> List[str]:
     """Write the config files beside weights in ``directory`` (see the module doc for the policy):
     from ``model`` when given, else copied from ``config_dir``; then ``config.json`` records the
@@ -71,13 +76,13 @@ def write_config(directory, *, config_dir: Optional[str] = None, model=None, ten
     return written
 
 
-def copy_config_files(config_dir: Optional[str], directory, skipped: Optional[List[str]] = None) -> List[str]:
+def copy_config_files(config_dir: Optional[str], directory: StrPath, skipped: Optional[List[str]] = None) -> List[str]:
     """Copy the :data:`~.names.CONFIG_FILES` that ``config_dir`` holds into ``directory``; return their
     names. Only regular files inside ``config_dir`` are copied (a link inside it is followed); each
     file skipped is reported by a message appended to ``skipped`` (a warning when None)."""
     from ..guards import copyable_problem, open_regular
 
-    copied = []
+    copied: List[str] = []
     if not config_dir:
         return copied
     for name in CONFIG_FILES:
@@ -99,7 +104,7 @@ def copy_config_files(config_dir: Optional[str], directory, skipped: Optional[Li
     return copied
 
 
-def save_model_config(model, directory) -> List[str]:
+def save_model_config(model: "torch.nn.Module", directory: StrPath) -> List[str]:
     """``model.config`` (and its generation config when the model can generate) written into
     ``directory`` as ``save_pretrained`` writes them; nothing for a model without a config."""
     import copy
@@ -120,7 +125,7 @@ def save_model_config(model, directory) -> List[str]:
     return written
 
 
-def model_class_name(model) -> str:
+def model_class_name(model: object) -> str:
     """The model's own class name: FSDP2's ``fully_shard`` swaps in a subclass made in torch
     (``FSDPLlamaForCausalLM``); ``save_pretrained`` of the model records the class it wraps."""
     for cls in type(model).__mro__:
@@ -129,7 +134,7 @@ def model_class_name(model) -> str:
     return type(model).__name__
 
 
-def _is_pretrained_model(model) -> bool:
+def _is_pretrained_model(model: object) -> bool:
     try:
         from transformers import PreTrainedModel
     except ImportError:
@@ -137,7 +142,7 @@ def _is_pretrained_model(model) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
-def config_dtype_key(cfg: dict) -> str:
+def config_dtype_key(cfg: dict[str, Any]) -> str:
     """The key ``config.json`` records the dtype under: the one it already holds, else ``dtype`` on
     transformers 5 and ``torch_dtype`` before."""
     for k in ("dtype", "torch_dtype"):
@@ -146,7 +151,7 @@ def config_dtype_key(cfg: dict) -> str:
     return "dtype" if (transformers_major() or 0) >= 5 else "torch_dtype"
 
 
-def record_dtype(directory, tensor_dtypes: Iterable[str]) -> Optional[str]:
+def record_dtype(directory: StrPath, tensor_dtypes: Iterable[str]) -> Optional[str]:
     """Record in ``directory/config.json`` the floating dtype of tensors of ``tensor_dtypes``
     (safetensors names, in order): the one they share, else the first. Returns the value written
     (``"bfloat16"``), None when there is no config.json or no floating tensor."""

@@ -7,9 +7,12 @@ numpy, and to the value ``config.json`` records (``"bfloat16"``). torch is impor
 :func:`to_torch`.
 """
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import OptionError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SIZES", "FLOATS", "MAX_NDIM", "TORCH_NAMES", "STORAGE_CLASSES", "USER_NAMES", "CONFIG_NAMES",
            "NUMPY_BITS",
@@ -39,7 +42,7 @@ CONFIG_NAMES = {d: TORCH_NAMES[d] for d in ("F64", "F32", "F16", "BF16")}
 NUMPY_BITS = {"F32": "uint32", "BF16": "uint16", "F16": "uint16"}
 
 _FROM_TORCH = {v: k for k, v in TORCH_NAMES.items()}
-_TO_USER = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+_TO_USER: dict[Optional[str], str] = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
 
 
 def itemsize(dtype: str) -> int:
@@ -68,7 +71,7 @@ def to_user(dtype: Optional[str]) -> Optional[str]:
     return _TO_USER.get(dtype)
 
 
-def from_torch(torch_dtype) -> str:
+def from_torch(torch_dtype: "torch.dtype | str") -> str:
     """The safetensors name of a ``torch.dtype`` (or its ``str``: ``"torch.bfloat16"``). Raises
     ``ValueError`` for a dtype safetensors cannot store here (complex, float8...)."""
     name = str(torch_dtype).replace("torch.", "")
@@ -78,7 +81,7 @@ def from_torch(torch_dtype) -> str:
         raise ValueError(f"tensor dtype {torch_dtype} has no safetensors name; convert it before saving") from None
 
 
-def to_torch(dtype: str):
+def to_torch(dtype: str) -> "torch.dtype":
     """The ``torch.dtype`` of the safetensors name ``dtype`` (imports torch)."""
     import torch
 
@@ -90,7 +93,7 @@ def config_name(dtype: str) -> Optional[str]:
     return CONFIG_NAMES.get(dtype)
 
 
-def training_dtype(model) -> Optional[str]:
+def training_dtype(model: "Optional[torch.nn.Module]") -> Optional[str]:
     """``"fp32"``/``"bf16"``/``"fp16"``: the one dtype of ``model``'s floating parameters (ZeRO-3
     keeps it on the partitioned parameters too); None when mixed, another dtype, or no model."""
     if model is None:

@@ -11,10 +11,13 @@ import functools
 import json
 import os
 import re
-from typing import Callable, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
 from ..errors import CheckpointError, one_line
-from ..guards import open_regular
+from ..guards import StrPath, open_regular
+
+if TYPE_CHECKING:
+    from huggingface_hub import StateDictSplit
 
 INDEX_LIMIT = 256 * 2**20  # a weight index (JSON); a real one of a 1T-parameter model is a few MB
 
@@ -33,7 +36,7 @@ INDEX_NAMES = (SAFETENSORS_INDEX, BIN_INDEX)  # in the order from_pretrained pre
 SINGLE_NAMES = (SAFETENSORS_NAME, BIN_NAME)
 # A max_shard_size of None (the default everywhere) means save_pretrained's own default in the
 # installed transformers: :func:`default_max_shard_size`, read from its signature, never copied here.
-MAX_SHARD_SIZE = None
+MAX_SHARD_SIZE: Optional[Union[int, str]] = None
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -56,8 +59,9 @@ SAVED_WEIGHTS_RE = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.sa
 WEIGHT_FILES_RE = re.compile(r"^(?:pytorch_model.*\.bin|model.*\.safetensors)$")
 
 
-def split_shards(items: Dict[str, object], get_size: Callable[[object], int], *, max_shard_size=MAX_SHARD_SIZE,
-                 pattern: str = SAFETENSORS_PATTERN):
+def split_shards(items: Dict[str, object], get_size: Callable[[object], int], *,
+                 max_shard_size: Optional[Union[int, str]] = MAX_SHARD_SIZE,
+                 pattern: str = SAFETENSORS_PATTERN) -> "StateDictSplit":
     """``huggingface_hub``'s split of ``items`` (name -> item, in the given order) into shards of at
     most ``max_shard_size`` (one item larger than that gets its own shard), so the file names and the
     split are the ones ``save_pretrained`` writes. Returns its ``StateDictSplit``."""
@@ -69,7 +73,7 @@ def split_shards(items: Dict[str, object], get_size: Callable[[object], int], *,
 
 
 @functools.lru_cache(maxsize=1)
-def default_max_shard_size():
+def default_max_shard_size() -> Union[int, str]:
     """``save_pretrained``'s default ``max_shard_size`` in the installed transformers, read from its
     signature (transformers 5: ``"50GB"``, 4.x: ``"5GB"``); without transformers,
     ``huggingface_hub``'s own default (what its ``save_torch_state_dict`` uses).
@@ -96,7 +100,7 @@ def default_max_shard_size():
     return inspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
 
 
-def _literal_default(path: str, cls: str, method: str, arg: str):
+def _literal_default(path: str, cls: str, method: str, arg: str) -> Any:
     """The default of ``arg`` in ``cls.method`` as written in the Python file ``path``, when it is a
     literal; None otherwise."""
     import ast
@@ -123,12 +127,12 @@ def _literal_default(path: str, cls: str, method: str, arg: str):
     return None
 
 
-def write_index(directory, weight_map: Dict[str, str], *, total_size: int, total_parameters: Optional[int] = None,
+def write_index(directory: StrPath, weight_map: Dict[str, str], *, total_size: int, total_parameters: Optional[int] = None,
                 name: str = SAFETENSORS_INDEX) -> str:
     """Write the index ``name`` into ``directory``: ``{"metadata": {"total_size": ...,
     ["total_parameters": ...]}, "weight_map": {...}}`` (keys sorted, as transformers writes it).
     Returns its path."""
-    meta = {"total_size": total_size}
+    meta: Dict[str, int] = {"total_size": total_size}
     if total_parameters is not None:
         meta["total_parameters"] = total_parameters
     path = os.path.join(directory, name)
@@ -140,7 +144,7 @@ def write_index(directory, weight_map: Dict[str, str], *, total_size: int, total
     return path
 
 
-def read_index(path) -> Dict[str, str]:
+def read_index(path: StrPath) -> Dict[str, str]:
     """The ``weight_map`` of the index file ``path``: tensor name -> file name, each a plain name in
     the same directory (never a path that leads out of it). Raises
     :class:`~..errors.CheckpointError` naming the index otherwise."""
@@ -161,7 +165,8 @@ def read_index(path) -> Dict[str, str]:
     return weight_map
 
 
-def weight_names(directory, *, formats=("safetensors", "bin")) -> Optional[tuple]:
+def weight_names(directory: StrPath, *, formats: Collection[str] = ("safetensors", "bin")
+                 ) -> Optional[Tuple[str, Optional[str], List[str]]]:
     """``(kind, index_or_None, [weight file names])`` of the HF directory ``directory``, taking the
     first of (safetensors index, single safetensors, bin index, single bin) that exists, as
     ``from_pretrained`` does; None when it holds none. The index is read and checked
@@ -176,7 +181,7 @@ def weight_names(directory, *, formats=("safetensors", "bin")) -> Optional[tuple
     return None
 
 
-def has_weights(directory) -> bool:
+def has_weights(directory: StrPath) -> bool:
     """True when ``directory`` holds an HF index or single weight file (safetensors or bin)."""
     return any(os.path.isfile(os.path.join(directory, n)) for n in INDEX_NAMES + SINGLE_NAMES)
 

@@ -11,10 +11,10 @@ import json
 import math
 import os
 import struct
-from typing import Dict, Iterable, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 from ..errors import CheckpointError
-from ..guards import open_regular
+from ..guards import StrPath, open_regular
 from .dtypes import FLOATS, SIZES
 
 __all__ = ["TensorEntry", "Header", "read_header", "read_hf_dir", "encode_header", "floating_dtypes", "MAX_HEADER",
@@ -42,7 +42,7 @@ class Header(NamedTuple):
     file_size: int
 
 
-def read_header(path, *, check_loader: bool = True) -> Header:
+def read_header(path: StrPath, *, check_loader: bool = True) -> Header:
     """Parse ``path``'s header as strictly as safetensors' loader does (``Metadata::validate``): a
     JSON object with no name twice, known dtypes, shapes of non-negative integers, data offsets laid
     end to end from 0 in order with no hole, overlap or trailing byte, each ``numel * itemsize`` long.
@@ -50,7 +50,7 @@ def read_header(path, *, check_loader: bool = True) -> Header:
 
     Raises :class:`~..errors.CheckpointError` naming the file and what is wrong.
     """
-    def bad(what):
+    def bad(what: str) -> CheckpointError:
         return CheckpointError(f"{path}: not a valid safetensors file ({what}); safetensors would refuse "
                                "to load it: export it again")
 
@@ -65,7 +65,7 @@ def read_header(path, *, check_loader: bool = True) -> Header:
                 raise bad(f"header length {n} exceeds the file or {MAX_HEADER} bytes")
             text = fh.read(n).decode("utf-8")
 
-        def no_duplicates(pairs):
+        def no_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
             keys = [k for k, _ in pairs]
             if len(set(keys)) != len(keys):
                 raise bad("a name appears twice in the header")
@@ -83,7 +83,7 @@ def read_header(path, *, check_loader: bool = True) -> Header:
     meta = header.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise bad("__metadata__ is not a map of strings")
-    entries = []
+    entries: List[Tuple[int, int, str, str, Tuple[int, ...]]] = []
     for name, info in header.items():
         if not isinstance(info, dict):
             raise bad(f"entry {name!r} is not an object")
@@ -100,7 +100,7 @@ def read_header(path, *, check_loader: bool = True) -> Header:
         entries.append((offsets[0], offsets[1], name, dtype, tuple(shape)))
     entries.sort()
     end = 0
-    out = {}
+    out: Dict[str, TensorEntry] = {}
     base = 8 + n
     for start, stop, name, dtype, shape in entries:
         if start != end:
@@ -110,24 +110,25 @@ def read_header(path, *, check_loader: bool = True) -> Header:
     if base + end != size:
         raise bad(f"the tensors end at byte {base + end} of {size} (truncated, or trailing bytes)")
     if check_loader:
+        opener: Optional[Callable[..., Any]]
         try:  # and the loader itself, where installed (it is what from_pretrained uses)
-            from safetensors import safe_open
+            from safetensors import safe_open as opener
         except ImportError:
-            safe_open = None
-        if safe_open is not None:
+            opener = None
+        if opener is not None:
             try:
-                with safe_open(path, framework="numpy") as f:
+                with opener(path, framework="numpy") as f:
                     f.keys()
             except Exception as e:
                 raise bad(f"safetensors: {type(e).__name__}: {str(e)[:200]}") from None
     return Header(out, meta, base, size)
 
 
-def encode_header(tensors: Iterable[Tuple[str, str, Tuple[int, ...]]], metadata: Optional[dict] = None) -> bytes:
+def encode_header(tensors: Iterable[Tuple[str, str, Tuple[int, ...]]], metadata: Optional[Dict[str, str]] = None) -> bytes:
     """The header for ``(name, dtype, shape)`` tensors laid end to end in the given order: the
     u64 length, then the JSON padded with spaces to 8 bytes (``metadata`` defaults to
     :data:`METADATA`)."""
-    meta = {"__metadata__": dict(METADATA if metadata is None else metadata)}
+    meta: Dict[str, Dict[str, Any]] = {"__metadata__": dict(METADATA if metadata is None else metadata)}
     offset = 0
     for name, dtype, shape in tensors:
         nbytes = SIZES[dtype] * math.prod(shape)
@@ -138,15 +139,15 @@ def encode_header(tensors: Iterable[Tuple[str, str, Tuple[int, ...]]], metadata:
     return len(raw).to_bytes(8, "little") + raw
 
 
-def floating_dtypes(paths: Iterable) -> set:
+def floating_dtypes(paths: Iterable[StrPath]) -> Set[str]:
     """The floating dtypes of the tensors in the safetensors files ``paths`` (headers validated)."""
-    out = set()
+    out: Set[str] = set()
     for p in paths:
         out |= {e.dtype for e in read_header(p, check_loader=False).tensors.values() if e.dtype in FLOATS}
     return out
 
 
-def read_hf_dir(path, *, weights: Optional[str] = None) -> Dict[str, Tuple[str, str, Tuple[int, ...], int, int]]:
+def read_hf_dir(path: StrPath, *, weights: Optional[str] = None) -> Dict[str, Tuple[str, str, Tuple[int, ...], int, int]]:
     """name -> (file, dtype, shape, byte offset, nbytes) for every tensor of the safetensors HF
     directory ``path`` (its index and the shards it names, or ``model.safetensors``), every header
     validated (:func:`read_header`). ``weights``: read this file of ``path`` (a ``*.safetensors`` or
@@ -171,7 +172,7 @@ def read_hf_dir(path, *, weights: Optional[str] = None) -> Dict[str, Tuple[str, 
     else:
         raise CheckpointError(f"{path}: no {SAFETENSORS_NAME} or {SAFETENSORS_INDEX}; pass the directory "
                               "`hf-ckpt export` wrote")
-    out = {}
+    out: Dict[str, Tuple[str, str, Tuple[int, ...], int, int]] = {}
     for f in files:
         full = os.path.join(path, f)
         for name, (dtype, shape, off, nbytes) in read_header(full).tensors.items():

@@ -25,17 +25,28 @@ import struct
 import zipfile
 import zlib
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Tuple
 
 from .. import guards
+from ..guards import StrPath
 from ..errors import CheckpointError, UnsafeCheckpointError, short_repr
 from .dtypes import MAX_NDIM, SIZES as DTYPE_SIZES, STORAGE_CLASSES, TORCH_NAMES
 from . import torch_legacy
 from .torch_legacy import is_legacy
-from .unpickler import CLIENT_STATE, CONTAINERS, MAX_PICKLE_BYTES, Leaf, loads
+from .unpickler import CLIENT_STATE, CONTAINERS, MAX_PICKLE_BYTES, Allowlist, Leaf, loads
 
 __all__ = ["TensorRef", "StorageRef", "TORCH_GLOBALS", "TORCH_ALLOWED", "TORCH_TENSOR_ALLOWED", "load",
            "is_legacy", "check_crc", "FileWindow", "CRC_BLOCK"]
+
+
+class SeekableInput(Protocol):
+    """A readable, seekable binary file: an open checkpoint file, or a :class:`FileWindow` into one."""
+
+    def seek(self, offset: int, whence: int = 0, /) -> int: ...
+
+    def read(self, n: int = -1, /) -> bytes: ...
+
+    def tell(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -95,7 +106,7 @@ class TensorRef(Leaf):
         return (self.storage.offset + (self.storage_offset + start) * self.itemsize, count * self.itemsize)
 
 
-def _tensor(storage, storage_offset, size, stride) -> "TensorRef":
+def _tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> "TensorRef":
     """A :class:`TensorRef`, refused unless every element it views lies inside its storage (a view
     reaching outside would export the zip's own headers, or another storage, as weights)."""
     if not isinstance(storage, StorageRef):
@@ -113,20 +124,21 @@ def _tensor(storage, storage_offset, size, stride) -> "TensorRef":
     return TensorRef(storage, int(storage_offset), shape, stride)
 
 
-def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
-                       metadata=None):
+# The rebuild functions' arguments come from the pickle: anything, until _tensor checks them.
+def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = False,
+                       backward_hooks: Any = None, metadata: Any = None) -> TensorRef:
     return _tensor(storage, storage_offset, size, stride)
 
 
-def _rebuild_tensor(storage, storage_offset, size, stride):
+def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> TensorRef:
     return _tensor(storage, storage_offset, size, stride)
 
 
-def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=None):
+def _rebuild_parameter(data: Any, requires_grad: Any = False, backward_hooks: Any = None, state: Any = None) -> Any:
     return data
 
 
-def _rebuild_from_type_v2(func, new_type, args, state):
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     # ZeRO-3 saves partitions (``ds_tensor``) that carry attributes: torch pickles them as
     # (rebuild function, tensor type, args, __dict__). Keep the tensor, drop the attributes.
     if func not in (_rebuild_tensor_v2, _rebuild_tensor, _rebuild_parameter):
@@ -138,14 +150,14 @@ class _DtypeMarker(str):
     pass
 
 
-def _device(*args):
+def _device(*args: Any) -> str:
     # torch.device("cpu") / ("cuda", 0): only atoms (``str`` of a DAG would print 2^N nodes)
     if len(args) > 2 or not all(type(a) in (str, int) for a in args):
         raise CheckpointError(f"torch.device{short_repr(args)} is not a device")
     return str(args[0]) if args else ""
 
 
-def _guarded_size(dims=()):
+def _guarded_size(dims: Any = ()) -> Tuple[int, ...]:
     return guards.dims(dims, "tensor shape", limit=MAX_NDIM)
 
 
@@ -174,10 +186,10 @@ TORCH_ALLOWED = {
 TORCH_TENSOR_ALLOWED = {m: v for m, v in TORCH_ALLOWED.items() if m in ("torch", "collections") or m.startswith("torch.")}
 
 
-def _storages_loader(path: str, storages: dict):
+def _storages_loader(path: str, storages: Mapping[str, Tuple[int, int]]) -> Callable[[Any], StorageRef]:
     """``persistent_load`` for a torch zip's pickle: a storage id becomes a :class:`StorageRef` of
     the entry ``storages`` maps its key to (``(absolute offset, nbytes)``)."""
-    def persistent_load(pid):
+    def persistent_load(pid: Any) -> StorageRef:
         if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"):
             raise UnsafeCheckpointError(f"{path}: refused for safety: unexpected persistent id "
                                         f"{short_repr(pid)}")
@@ -201,7 +213,7 @@ def _storages_loader(path: str, storages: dict):
     return persistent_load
 
 
-def _check_local_entry(fh, info: zipfile.ZipInfo, path: str) -> int:
+def _check_local_entry(fh: SeekableInput, info: zipfile.ZipInfo, path: str) -> int:
     """Cross-check an entry's local header (and data descriptor) with the central directory and
     return the absolute offset of its data.
 
@@ -209,7 +221,7 @@ def _check_local_entry(fh, info: zipfile.ZipInfo, path: str) -> int:
     header's name and extra lengths. A damaged local header would otherwise shift every byte
     range read from that entry (a silently wrong tensor), so the two copies must agree.
     """
-    def corrupt(what):
+    def corrupt(what: str) -> CheckpointError:
         return CheckpointError(f"{path}: bad zip entry {info.filename} ({what}); the file is corrupt, "
                                "copy it again from the training run")
 
@@ -244,10 +256,11 @@ def _check_local_entry(fh, info: zipfile.ZipInfo, path: str) -> int:
     return offset
 
 
-def _stored_entries(zf: zipfile.ZipFile, fh, file_size: int, path: str, archive: str):
+def _stored_entries(zf: zipfile.ZipFile, fh: SeekableInput, file_size: int, path: str,
+                    archive: str) -> dict[str, Tuple[int, int]]:
     """Map storage key -> (absolute data offset, nbytes) for every ``<archive>/data/<key>`` entry,
     the names ``torch.load`` resolves (``archive``: data.pkl's directory, ``""`` at the root)."""
-    out = {}
+    out: dict[str, Tuple[int, int]] = {}
     prefix = f"{archive}/data/" if archive else "data/"
     for info in zf.infolist():
         if not info.filename.startswith(prefix) or "/" in info.filename[len(prefix):]:
@@ -267,7 +280,7 @@ def _stored_entries(zf: zipfile.ZipFile, fh, file_size: int, path: str, archive:
     return out
 
 
-def _open_zip(fh, path):
+def _open_zip(fh: SeekableInput, path: str) -> zipfile.ZipFile:
     try:
         return zipfile.ZipFile(fh)
     except zipfile.BadZipFile as e:
@@ -276,14 +289,14 @@ def _open_zip(fh, path):
             "torch.save file: copy it again, or re-save it with a current torch") from e
 
 
-def _pickle_entry(zf, path):
+def _pickle_entry(zf: zipfile.ZipFile, path: str) -> zipfile.ZipInfo:
     pkls = [i for i in zf.infolist() if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
     if len(pkls) != 1:
         raise CheckpointError(f"{path}: not a torch checkpoint (no single data.pkl inside)")
     return pkls[0]
 
 
-def check_crc(path, ranges) -> list:
+def check_crc(path: StrPath, ranges: Iterable[Tuple[int, int]]) -> list[str]:
     """CRC-32 of every storage entry of ``path`` that holds a byte of ``ranges`` (``(offset, nbytes)``
     pairs, absolute), compared with the zip's central directory; return the names that differ.
 
@@ -293,18 +306,18 @@ def check_crc(path, ranges) -> list:
     path = os.fspath(path)
     if is_legacy(path):
         return []  # the legacy format records no checksums
-    ranges = sorted((o, o + n) for o, n in ranges if n)
-    bad = []
+    spans = sorted((o, o + n) for o, n in ranges if n)
+    bad: list[str] = []
     with open(path, "rb") as fh, _open_zip(fh, path) as zf:
         archive = os.path.dirname(_pickle_entry(zf, path).filename)
         entries = _stored_entries(zf, fh, os.fstat(fh.fileno()).st_size, path, archive)
-        by_offset = {}
+        by_offset: dict[int, Tuple[str, int, int]] = {}
         prefix = f"{archive}/data/" if archive else "data/"
         for key, (off, n) in entries.items():
             by_offset[off] = (prefix + key, n, zf.getinfo(prefix + key).CRC)
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
             for off, (name, n, crc) in sorted(by_offset.items()):
-                if not any(lo < off + n and off < hi for lo, hi in ranges):
+                if not any(lo < off + n and off < hi for lo, hi in spans):
                     continue
                 got = 0
                 for pos in range(off, off + n, CRC_BLOCK):
@@ -321,21 +334,21 @@ class FileWindow:
     """Bytes ``[start, start + size)`` of an open file, as a seekable read-only file of ``size``
     bytes: a torch zip archive stored inside a larger file (one chunk of a torch DCP ``.distcp``)."""
 
-    def __init__(self, fh, start: int, size: int):
+    def __init__(self, fh: SeekableInput, start: int, size: int) -> None:
         self._fh, self._start, self._size, self._pos = fh, start, size, 0
 
-    def seekable(self):
+    def seekable(self) -> bool:
         return True
 
-    def tell(self):
+    def tell(self) -> int:
         return self._pos
 
-    def seek(self, pos, whence=0):
+    def seek(self, pos: int, whence: int = 0) -> int:
         base = {0: 0, 1: self._pos, 2: self._size}[whence]
         self._pos = max(0, base + pos)
         return self._pos
 
-    def read(self, n=-1):
+    def read(self, n: Optional[int] = -1) -> bytes:
         n = self._size - self._pos if n is None or n < 0 else min(n, max(0, self._size - self._pos))
         self._fh.seek(self._start + self._pos)
         data = self._fh.read(n)
@@ -343,7 +356,7 @@ class FileWindow:
         return data
 
 
-def _legacy_storage(path: str, dtype, key: str, numel: int, offset: int) -> StorageRef:
+def _legacy_storage(path: str, dtype: Any, key: str, numel: int, offset: int) -> StorageRef:
     """A legacy file's storage reference (see :func:`.torch_legacy.read`), refused unless its
     type is one of torch's storage types."""
     if not isinstance(dtype, _DtypeMarker):
@@ -351,14 +364,14 @@ def _legacy_storage(path: str, dtype, key: str, numel: int, offset: int) -> Stor
     return StorageRef(path, key, str(dtype), numel, offset)
 
 
-def _load_legacy(path: str, file_size: int, allowed: dict) -> Any:
+def _load_legacy(path: str, file_size: int, allowed: Allowlist) -> Any:
     """:func:`load` of a legacy-format file: the same restricted unpickler and allowlist, its pickles
     read as a stream (:mod:`.torch_legacy`)."""
     with guards.open_regular(path, what="the checkpoint file") as fh:
         return torch_legacy.read(fh, path, file_size, allowed, functools.partial(_legacy_storage, path))
 
 
-def load(path, *, offset: int = 0, length: Optional[int] = None, allowed: Optional[dict] = None) -> Any:
+def load(path: StrPath, *, offset: int = 0, length: Optional[int] = None, allowed: Optional[Allowlist] = None) -> Any:
     """Unpickle the object tree of a torch zip checkpoint safely; tensors become :class:`TensorRef`.
 
     ``offset``/``length``: the archive is bytes ``[offset, offset + length)`` of ``path`` (a chunk

@@ -7,12 +7,15 @@ file's own small buffer: nothing pre-scans for where the pickles end and nothing
 memory, whatever its size. :mod:`.torch_files` reads the zip format and calls :func:`read`.
 """
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Optional, Tuple, Union
 
 from ..errors import CheckpointError, UnsafeCheckpointError, short_repr
-from ..guards import open_regular
+from ..guards import StrPath, open_regular
 from .dtypes import SIZES as DTYPE_SIZES
-from .unpickler import MAX_PICKLE_BYTES, load_stream
+from .unpickler import MAX_PICKLE_BYTES, Allowlist, load_stream
+
+if TYPE_CHECKING:
+    from .torch_files import StorageRef
 
 __all__ = ["MAGIC", "PROTOCOL", "is_legacy", "read"]
 
@@ -31,7 +34,7 @@ class _PickleReader:
     :data:`MAX_PICKLE_BYTES`), so memory stays a few MiB whatever the file's size and a crafted run
     of opcodes is refused by the unpickler's budgets as it goes, never pre-scanned."""
 
-    def __init__(self, fh, path: str):
+    def __init__(self, fh: BinaryIO, path: str) -> None:
         self._fh, self._path, self._pos = fh, path, fh.tell()  # our own count: tell() may cost a syscall
 
     def tell(self) -> int:
@@ -55,7 +58,7 @@ class _PickleReader:
         self._pos += len(data)
         return data
 
-    def readinto(self, buf) -> int:
+    def readinto(self, buf: Union[bytearray, memoryview]) -> int:
         data = self.read(len(buf))
         buf[:len(data)] = data
         return len(data)
@@ -69,7 +72,7 @@ class _PickleReader:
                                   f"{_MAX_LINE} bytes); copy it again from the training run")
         return line
 
-    def load(self, allowed: dict, persistent_load=None) -> Any:
+    def load(self, allowed: Allowlist, persistent_load: Optional[Callable[[Any], Any]] = None) -> Any:
         """The next pickle (from the file's position to its STOP), with :func:`~.unpickler.load_stream`."""
         return load_stream(self, path=self._path, allowed=allowed, persistent_load=persistent_load)
 
@@ -78,7 +81,8 @@ _MAX_READ = 16 * 2**20  # one string or bytes object of a legacy file's pickles
 _MAX_LINE = 2**16  # one text line (a protocol-0/1 opcode's argument: a global's module name...)
 
 
-def read(fh, path: str, file_size: int, allowed: dict, storage: Callable) -> Any:
+def read(fh: BinaryIO, path: str, file_size: int, allowed: Allowlist,
+         storage: "Callable[[Any, str, int, int], StorageRef]") -> Any:
     """The object of the legacy file open as ``fh`` (``path``, ``file_size`` bytes), unpickled with
     the allowlist ``allowed``; ``storage(type, key, numel, offset)`` makes the reader's reference to
     the storage ``key`` of ``numel`` elements at byte ``offset`` (refusing an unknown type).
@@ -96,9 +100,9 @@ def read(fh, path: str, file_size: int, allowed: dict, storage: Callable) -> Any
         raise CheckpointError(f"{path}: a legacy torch.save file written on a big-endian machine; load and re-save "
                               "it there with a current torch")
     main_start = pickles.tell()
-    recorded: dict = {}
+    recorded: dict[str, Tuple[str, int, Any]] = {}
 
-    def record(pid):  # first pass: which storages the object names, of what dtype and size
+    def record(pid: Any) -> "StorageRef":  # first pass: which storages the object names, of what dtype and size
         if not (type(pid) is tuple and len(pid) == 6 and pid[0] == "storage"):
             raise UnsafeCheckpointError(f"{path}: refused for safety: unexpected persistent id {short_repr(pid)}")
         _, dtype, key, _location, numel, view = pid
@@ -118,7 +122,7 @@ def read(fh, path: str, file_size: int, allowed: dict, storage: Callable) -> Any
     if set(recorded) != set(keys):
         raise CheckpointError(f"{path}: the storage key list does not match the storages the object names; the file "
                               "is corrupt or crafted: copy it again from the training run")
-    offsets = {}
+    offsets: dict[str, int] = {}
     at = keys_end
     for key in keys:
         dtype, numel, _ = recorded[key]
@@ -136,7 +140,7 @@ def read(fh, path: str, file_size: int, allowed: dict, storage: Callable) -> Any
             raise CheckpointError(f"{path}: truncated (storage {key} runs past the end of the file); copy it again "
                                   "from the training run")
 
-    def persistent_load(pid):  # the same pickle again: the ids the first pass checked
+    def persistent_load(pid: Any) -> "StorageRef":  # the same pickle again: the ids the first pass checked
         _, marker = recorded[pid[2]][1:]
         return storage(marker, pid[2], recorded[pid[2]][1], offsets[pid[2]])
 
@@ -144,7 +148,7 @@ def read(fh, path: str, file_size: int, allowed: dict, storage: Callable) -> Any
     return pickles.load(allowed, persistent_load=persistent_load)
 
 
-def is_legacy(path) -> bool:
+def is_legacy(path: StrPath) -> bool:
     """Whether ``path`` starts as torch.save's legacy format does (a protocol-2 pickle of its magic number).
     Opened as every source file is (:func:`~..guards.open_regular`): a FIFO is not legacy, never a hang."""
     try:

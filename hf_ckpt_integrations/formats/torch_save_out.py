@@ -27,7 +27,7 @@ import struct
 import sys
 import zlib
 from collections import OrderedDict
-from typing import Iterable, Iterator, Optional
+from typing import Any, BinaryIO, Iterable, Iterator, List, Optional, Tuple
 
 from ..errors import CheckpointError
 from .dtypes import STORAGE_CLASSES
@@ -43,16 +43,20 @@ _FILE_VERSION = b"3\n"  # PyTorchStreamWriter's kProducedFileFormatVersion (the 
 _U32 = 0xFFFFFFFF  # miniz's MZ_UINT32_MAX, also the sentinel a field moved to a zip64 extra field holds
 _ZIP64_AT = _U32  # a size or offset at or past this moves to a zip64 extra field (as miniz decides)
 
+# pickle's pure-Python pickler: typeshed declares only its public face (not its dispatch table, write or
+# memoize), so it is reached through this untyped name.
+_pickle: Any = pickle
+
 
 class _Global:
     """A ``module.name`` global written into the pickle by name (torch is never imported)."""
 
     __slots__ = ("module", "name")
 
-    def __init__(self, module: str, name: str):
+    def __init__(self, module: str, name: str) -> None:
         self.module, self.name = module, name
 
-    def __call__(self, *args):  # pickle's save_reduce insists on a callable; never called here
+    def __call__(self, *args: object) -> None:  # pickle's save_reduce insists on a callable; never called here
         raise TypeError(f"{self.module}.{self.name} is a name to pickle, not a function")
 
 
@@ -71,28 +75,28 @@ class TorchSize(tuple):
 class _Storage:
     __slots__ = ("tensor", "key")
 
-    def __init__(self, tensor: OutTensor, key: str):
+    def __init__(self, tensor: OutTensor, key: str) -> None:
         self.tensor, self.key = tensor, key
 
 
-class _Pickler(pickle._Pickler):
+class _Pickler(_pickle._Pickler):
     """The pure-Python pickler (the C one imports a global's module to check it, which would import
     torch): the same opcodes and memo as torch's ``pickle.Pickler`` at protocol 2. Only plain types,
     :class:`OutTensor` and :class:`TorchSize` are accepted."""
 
-    dispatch = dict(pickle._Pickler.dispatch)
+    dispatch = dict(_pickle._Pickler.dispatch)
     _PLAIN = (type(None), bool, int, float, str, list, tuple, dict, OrderedDict)
 
-    def __init__(self, fh):
+    def __init__(self, fh: BinaryIO) -> None:
         super().__init__(fh, protocol=2)
-        self.storages = []
+        self.storages: List[_Storage] = []
 
-    def persistent_id(self, obj):
+    def persistent_id(self, obj: object) -> Optional[Tuple[str, _Global, str, str, int]]:
         if type(obj) is _Storage:  # what torch's persistent_id returns for a tensor's typed storage
             return ("storage", _STORAGES[obj.tensor.dtype], obj.key, "cpu", obj.tensor.numel)
         return None
 
-    def reducer_override(self, obj):
+    def reducer_override(self, obj: object) -> Any:
         if type(obj) is OutTensor:
             if obj.dtype not in _STORAGES:
                 raise TypeError(f"{obj.name}: dtype {obj.dtype!r} has no torch storage class here")
@@ -108,7 +112,7 @@ class _Pickler(pickle._Pickler):
                             "TorchSize and OutTensor are written")
         return NotImplemented
 
-    def _save_global(self, obj):
+    def _save_global(self, obj: _Global) -> None:
         self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode("utf-8"))
         self.memoize(obj)
 
@@ -119,19 +123,20 @@ class _ZipOut:
     """Stored records appended to ``fh`` (a new regular file, binary, at offset 0) the way
     ``PyTorchStreamWriter`` lays them out; :meth:`finish` writes the central directory."""
 
-    def __init__(self, fh, archive: str):
-        self.fh, self.archive, self.pos, self.entries = fh, archive, 0, []
+    def __init__(self, fh: BinaryIO, archive: str) -> None:
+        self.fh, self.archive, self.pos = fh, archive, 0
+        self.entries: List[Tuple[bytes, int, int, int, int]] = []  # (name, flags, crc, size, offset)
 
-    def _write(self, data) -> int:
+    def _write(self, data: "bytes | bytearray | memoryview") -> int:
         n = memoryview(data).nbytes  # bytes, whatever the item size of a buffer handed in
         self.fh.write(data)
         self.pos += n
         return n
 
-    def record(self, name: str, chunks: Iterable, size: int) -> None:
+    def record(self, name: str, chunks: Iterable[Any], size: int) -> None:
         full = f"{self.archive}/{name}".encode("utf-8")
         cursor = self.pos
-        zip64 = []
+        zip64: List[int] = []
         if size >= _ZIP64_AT:
             zip64 += [size, 0]  # uncompressed size; the compressed one comes in the descriptor
         if cursor >= _ZIP64_AT:
@@ -175,6 +180,7 @@ class _ZipOut:
 def _stream(tensor: OutTensor, buf: bytearray, files: SourceFiles) -> Iterator:
     """``tensor``'s bytes as bytes-like chunks; file ranges read ``CHUNK`` bytes at a time into ``buf``
     (:func:`~.file_ranges.iter_range`: a source file that ends early is an error naming it)."""
+    assert tensor.chunks is not None  # None: a sizes-only tensor, which no writer writes
     for chunk in tensor.chunks():
         if isinstance(chunk, tuple):
             yield from iter_range(files.fd(chunk[0]), FileRange(*chunk), buf)
@@ -182,7 +188,7 @@ def _stream(tensor: OutTensor, buf: bytearray, files: SourceFiles) -> Iterator:
             yield chunk
 
 
-def archive_name(path) -> str:
+def archive_name(path: "str | os.PathLike[str]") -> str:
     """The directory ``torch.save(obj, path)`` puts its records under: the file name up to its first
     dot (``fp32.pt`` -> ``fp32``); ``archive`` (torch's name for a file object) when that is not one
     plain path component."""
@@ -194,7 +200,7 @@ def _good_archive(name: str) -> bool:
     return bool(name) and name not in (".", "..") and not any(c in "/\\" or ord(c) < 32 for c in name)
 
 
-def save(obj, fh, *, archive: str = "archive", files: Optional[SourceFiles] = None) -> int:
+def save(obj: object, fh: BinaryIO, *, archive: str = "archive", files: Optional[SourceFiles] = None) -> int:
     """Write ``obj`` to ``fh`` (a binary file object opened for writing, at offset 0) as
     ``torch.save(obj, fh)`` writes it, records under ``archive/`` (``torch.save`` to a path uses the
     file name up to its first dot; to a file object ``archive``). Returns the bytes written.
@@ -211,9 +217,9 @@ def save(obj, fh, *, archive: str = "archive", files: Optional[SourceFiles] = No
     pickler.dump(obj)
     pickled = data.getvalue()
     out = _ZipOut(fh, archive)
-    crcs = []
+    crcs: List[int] = []
 
-    def small(name, value):
+    def small(name: str, value: bytes) -> None:
         out.record(name, [value], len(value))
         crcs.append(zlib.crc32(value))
 
