@@ -17,6 +17,8 @@ import signal
 import sys
 import threading
 import traceback
+from types import FrameType
+from typing import Any, Callable, Dict, Iterable, List, Mapping, NoReturn, Optional, Sequence, Tuple, Union
 
 from ._version import __version__
 from .errors import EXIT_BAD_INPUT, EXIT_DIFFERENT, EXIT_INTERNAL, EXIT_OK, CheckpointError, cli_spelling, one_line
@@ -24,26 +26,37 @@ from .supported_inputs import SRC_HELP, help_epilog
 
 __all__ = ["main", "build_parser", "inspect_command", "export_command", "verify_command", "universal_command"]
 
+# The subcommands of the top-level parser, which each command's parser is made in (None: standalone).
+# (of any ArgumentParser class: build_parser's make _ArgumentParser s)
+Subparsers = Optional["argparse._SubParsersAction[Any]"]
+
 
 class _ArgumentParser(argparse.ArgumentParser):
     """argparse with the package's error contract: one ``error:`` line, exit 2 (no usage block)."""
 
-    def error(self, message):
+    commands: Mapping[str, argparse.ArgumentParser]  # the top-level parser's subcommands (build_parser)
+
+    def error(self, message: str) -> NoReturn:
         print(f"error: {one_line(message)} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT)
 
-    def parse_args(self, args=None, namespace=None):
+    # (argparse's overloads type a namespace passed in as its own class; this override keeps one signature)
+    def parse_args(self, args: Optional[Sequence[str]] = None,  # type: ignore[override]
+                   namespace: Optional[argparse.Namespace] = None) -> argparse.Namespace:
         # argparse reports options it does not know on the top-level parser; a user who typed
         # `hf-ckpt export ... --bogus` needs `hf-ckpt export --help`, so the command's parser says it.
-        args, extras = self.parse_known_args(args, namespace)
+        parsed, extras = self.parse_known_args(args, namespace)
         if extras:
-            command = getattr(self, "commands", {}).get(getattr(args, "command", None), self)
+            command = getattr(self, "commands", {}).get(getattr(parsed, "command", None), self)
             command.error(f"unrecognized arguments: {' '.join(extras)}")
-        return args
+        return parsed
 
 
-def _parser(subparsers, name, help_text, epilog=None):
-    kw = dict(description=help_text, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parser(subparsers: Subparsers, name: str, help_text: str, epilog: Optional[str] = None
+            ) -> argparse.ArgumentParser:
+    kw: Dict[str, Any] = dict(description=help_text, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p: argparse.ArgumentParser
+    default: Any
     if subparsers is not None:
         p = subparsers.add_parser(name, help=help_text, **kw)
         default = argparse.SUPPRESS  # keep a --debug given before the command
@@ -55,7 +68,7 @@ def _parser(subparsers, name, help_text, epilog=None):
     return p
 
 
-def inspect_command_parser(subparsers=None):
+def inspect_command_parser(subparsers: Subparsers = None) -> argparse.ArgumentParser:
     p = _parser(subparsers, "inspect", "Describe a checkpoint: engine, stage, world layout, dtypes, tensors, problems.",
                 help_epilog())
     p.add_argument("src", help=SRC_HELP)
@@ -73,7 +86,7 @@ _CONFIG_HELP = ("the model's config.json, or the directory holding it (default: 
                 "its tokenizer and generation files are copied too")
 
 
-def _dtype(text):
+def _dtype(text: str) -> Optional[str]:
     from .formats.dtypes import from_user, to_user
 
     try:
@@ -82,7 +95,7 @@ def _dtype(text):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _source_args(p):
+def _source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-rule", action="append", default=[], metavar="PATTERN=0|1|replicated",
                    help="how to merge model-parallel slices of parameters matching PATTERN (fnmatch) that "
                         "neither the checkpoint nor the HF config describes; repeatable")
@@ -94,12 +107,12 @@ def _source_args(p):
                         + ("; ".join(f"{o.name}: {o.help}" for o in declared.values()) or "none declared"))
 
 
-def _universal_lines(summary):
+def _universal_lines(summary: Optional[Mapping[str, Any]]) -> List[str]:
     """``inspect --universal`` in text: the states carried, then how many parameters merge each way."""
     if not summary:
         return []
     params = summary["parameters"]
-    merges = {}
+    merges: Dict[str, int] = {}
     for p in params:
         key = p["merge"] + (f" ({p['rule']})" if p["rule"] and p["merge"] != "one copy" else "")
         merges[key] = merges.get(key, 0) + 1
@@ -107,23 +120,23 @@ def _universal_lines(summary):
             + [f"{n:3d} by {how}" for how, n in sorted(merges.items())])
 
 
-def _key_value(text):
+def _key_value(text: str) -> Tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
     return key, value
 
 
-def _source_options(args) -> dict:
+def _source_options(args: argparse.Namespace) -> Dict[str, Union[str, List[str]]]:
     """``--source-option KEY=VALUE`` pairs as the API takes them: a repeated key gives a list (the
     registry checks each key and value against the sources' declarations)."""
-    out = {}
+    out: Dict[str, List[str]] = {}
     for key, value in args.source_option:
         out.setdefault(key, []).append(value)
     return {k: v[0] if len(v) == 1 else v for k, v in out.items()}
 
 
-def inspect_command(args) -> int:
+def inspect_command(args: argparse.Namespace) -> int:
     from .api import inspect_checkpoint
 
     # What reading imports may print to stdout (DeepSpeed's accelerator banner when transformers 4
@@ -152,7 +165,7 @@ def inspect_command(args) -> int:
         print(f"            {info['mp_axis_reason']}")
     merged = [t for t in info["tensors"] if t["rule"]]
     if merged:
-        by_rule = {}
+        by_rule: Dict[str, List[str]] = {}
         for t in merged:
             by_rule.setdefault(t["rule"], []).append(t["name"])
         for rule, names in by_rule.items():
@@ -189,34 +202,34 @@ def inspect_command(args) -> int:
     return EXIT_OK
 
 
-def _kept_fp32_lines(keep):
+def _kept_fp32_lines(keep: Optional[Mapping[str, Any]]) -> List[str]:
     """The tensors a 16-bit export keeps in fp32, grouped by reason and source (layers read as ``*``)."""
     import re
 
     if not keep or not keep["tensors"]:
         return []
-    groups = {}
+    groups: Dict[Tuple[str, str, str, str], int] = {}
     for t in keep["tensors"]:
         key = (re.sub(r"\.\d+\.", ".*.", t["name"]), "/".join(t["when"]), t["why"], t["from"])
         groups[key] = groups.get(key, 0) + 1
     return [f"{name} ({n}) in {when}: {why}; from {src}" for (name, when, why, src), n in groups.items()]
 
 
-def _conversion_lines(conversions):
+def _conversion_lines(conversions: Iterable[Mapping[str, Any]]) -> List[str]:
     """One line per group of like conversions (layer and expert numbers read as ``*``)."""
     import re
 
-    def pattern(name):
+    def pattern(name: str) -> str:
         return re.sub(r"\.\d+(?=\.)", ".*", name)
 
-    groups = {}
+    groups: Dict[Tuple[str, str, Tuple[str, ...]], List[Mapping[str, Any]]] = {}
     for c in conversions:
         into = tuple(dict.fromkeys(pattern(n) for n in c["into"]))
         groups.setdefault((pattern(c["source"]), c["op"], into), []).append(c)
     return [f"{src} -> {', '.join(into)} ({op}; {len(cs)} tensor(s))" for (src, op, into), cs in groups.items()]
 
 
-def export_command_parser(subparsers=None):
+def export_command_parser(subparsers: Subparsers = None) -> argparse.ArgumentParser:
     p = _parser(subparsers, "export", "Write a checkpoint as a HuggingFace directory that from_pretrained loads.",
                 help_epilog())
     p.add_argument("src", help=SRC_HELP)
@@ -251,7 +264,7 @@ def export_command_parser(subparsers=None):
     return p
 
 
-def export_command(args) -> int:
+def export_command(args: argparse.Namespace) -> int:
     import time
 
     from .api import export_checkpoint
@@ -274,7 +287,7 @@ def export_command(args) -> int:
     return EXIT_OK
 
 
-def _seconds(total, report) -> str:
+def _seconds(total: float, report: Mapping[str, Any]) -> str:
     """The command's wall time, and the write's share when reading the plan took a visible part."""
     write = report.get("seconds")
     if write is None or total - write < 0.5:
@@ -282,7 +295,7 @@ def _seconds(total, report) -> str:
     return f"{total:.2f} s ({total - write:.2f} s planning, {write:.2f} s writing)"
 
 
-def verify_command_parser(subparsers=None):
+def verify_command_parser(subparsers: Subparsers = None) -> argparse.ArgumentParser:
     p = _parser(subparsers, "verify", "Compare an exported directory with its source, every tensor bitwise.")
     p.add_argument("dst", help="the exported HuggingFace directory")
     p.add_argument("--against", required=True, metavar="SRC", help="the source checkpoint it was exported from")
@@ -295,7 +308,7 @@ def verify_command_parser(subparsers=None):
     return p
 
 
-def verify_command(args) -> int:
+def verify_command(args: argparse.Namespace) -> int:
     from .api import verify_checkpoint
 
     report = verify_checkpoint(args.dst, args.against, tag=args.tag, config=args.config, tp_rules=args.tp_rule,
@@ -309,7 +322,7 @@ def verify_command(args) -> int:
     return EXIT_DIFFERENT
 
 
-def universal_command_parser(subparsers=None):
+def universal_command_parser(subparsers: Subparsers = None) -> argparse.ArgumentParser:
     p = _parser(subparsers, "universal", "Write a DeepSpeed universal checkpoint of a ZeRO or PipelineModule save, to resume "
                 "training at another tensor/pipeline/data-parallel size. Load it with \"checkpoint\": {\"load_universal\": true} in the "
                 "DeepSpeed config and engine.load_checkpoint(PARENT, tag=NAME), where DST is PARENT/NAME.")
@@ -332,7 +345,7 @@ def universal_command_parser(subparsers=None):
     return p
 
 
-def universal_command(args) -> int:
+def universal_command(args: argparse.Namespace) -> int:
     from .universal_writer import plan_universal, universal_summary, write_universal_checkpoint
 
     if args.dry_run:
@@ -352,7 +365,7 @@ def universal_command(args) -> int:
     return EXIT_OK
 
 
-def build_parser():
+def build_parser() -> _ArgumentParser:
     parser = _ArgumentParser(prog="hf-ckpt", description="Make distributed training checkpoints "
                              "loadable with from_pretrained: inspect, export, verify; resumable at another layout: universal.")
     parser.add_argument("--debug", action="store_true", help="on an internal error (exit 3), print the traceback too")
@@ -370,31 +383,33 @@ class Stopped(KeyboardInterrupt):
     """SIGTERM or SIGHUP (what a scheduler or a closed terminal sends), raised where the program
     is, so the commit strategy on the way out removes what it staged, as for Ctrl-C."""
 
-    def __init__(self, signum):
+    def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
 
 
-def _stop(signum, frame):
+def _stop(signum: int, frame: Optional[FrameType]) -> NoReturn:
     for s in _STOP_SIGNALS:  # a second signal must not cut the cleanup short
         signal.signal(s, signal.SIG_IGN)
     raise Stopped(signum)
 
 
 _STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
+# What signal.signal returns: the handler before (a function, SIG_DFL/SIG_IGN, or None when not set from Python).
+_Handler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
 
 
-def _error(message) -> None:
+def _error(message: object) -> None:
     print(f"error: {one_line(message)}", file=sys.stderr)
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:  # `hf-ckpt` alone: nothing was asked, so nothing failed
         parser.print_help()
         return EXIT_OK
-    previous = {}
+    previous: Dict[int, _Handler] = {}
     if threading.current_thread() is threading.main_thread():
         previous = {s: signal.signal(s, _stop) for s in _STOP_SIGNALS}
     try:

@@ -9,6 +9,7 @@ says ``--overwrite``.
 
 import contextlib
 import reprlib
+from typing import Iterator
 
 __all__ = [
     "EXIT_OK",
@@ -32,7 +33,7 @@ EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 3
 
 
-def one_line(text) -> str:
+def one_line(text: object) -> str:
     """``text`` with every control character escaped (``\\n``, ``\\x1b``...), so a message that
     quotes a hostile file name or tag stays one line and cannot drive the terminal."""
     text = str(text)
@@ -56,7 +57,7 @@ def option(name: str, value: str = "") -> str:
 
 
 @contextlib.contextmanager
-def cli_spelling():
+def cli_spelling() -> Iterator[None]:
     """Within: :func:`option` spells options as CLI flags (``hf-ckpt``'s ``main`` enters it)."""
     before, _CLI[0] = _CLI[0], True
     try:
@@ -69,7 +70,7 @@ _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
 
 
-def short_repr(value) -> str:
+def short_repr(value: object) -> str:
     """``repr`` for a value read from a file, bounded in depth and length (a DAG's full repr is 2^N)."""
     return _REPR.repr(value)
 
