@@ -4,6 +4,8 @@ Importing the package is cheap: the engine integrations (which import transforme
 accelerate, ColossalAI) load on first use.
 """
 
+from typing import Any
+
 from .api import export_checkpoint, inspect_checkpoint, verify_checkpoint
 from ._version import __version__
 from .errors import CheckpointError, DestinationError, LayoutError, UnsafeCheckpointError
@@ -34,7 +36,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 

@@ -154,14 +154,14 @@ class MergeIntoCheckpoint(CommitStrategy):
         if self._state != "staged":
             return
         self._state = "done"
-        ordered = sorted(names, key=lambda n: (n.endswith(".index.json"), n))  # index files last
+        names = sorted(names, key=lambda n: (n.endswith(".index.json"), n))  # index files last
         try:
             try:
-                for n in ordered:
+                for n in names:
                     fsync_path(os.path.join(self.path, n))
                 tmp = os.path.join(self.path, JOURNAL + ".tmp")
                 with open_new(tmp, "w", encoding="utf-8") as fh:
-                    json.dump({"files": ordered, "replace_existing": self.replace_existing}, fh)
+                    json.dump({"files": names, "replace_existing": self.replace_existing}, fh)
                     fh.flush()
                     os.fsync(fh.fileno())
                 os.replace(tmp, os.path.join(self.path, JOURNAL))
@@ -170,7 +170,7 @@ class MergeIntoCheckpoint(CommitStrategy):
                 self._discard_staging()
                 raise disk_error(self.dst, e) from e
             with signals_held():
-                self._apply(ordered, self.replace_existing)
+                self._apply(names, self.replace_existing)
         finally:
             self._release()
 

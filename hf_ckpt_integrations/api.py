@@ -2,20 +2,30 @@
 and prints (so both front doors take the same options and raise the same errors)."""
 
 import os
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence, Union
 
 from . import sources
 from .errors import CheckpointError, OptionError, option
 from .formats.config import config_dir_of
 from .formats.dtypes import from_user, to_user
-from .guards import bad_metadata_as_input
+from .guards import StrPath, bad_metadata_as_input
 from .verify import VerifyReport, verify_plan
 from .export import write_plan
 from .writer import MAX_SHARD_SIZE, check_max_shard_size, check_workers
 
+if TYPE_CHECKING:
+    import torch
+
+    from .plan import ExportPlan
+    from .sources.protocol import Source
+
 __all__ = ["inspect_checkpoint", "export_checkpoint", "verify_checkpoint", "dtype_name"]
 
-def dtype_name(dtype) -> Optional[str]:
+# A dtype as callers name it: the package's short name, torch's name, or a torch.dtype.
+DtypeArg = Union[str, "torch.dtype", None]
+
+
+def dtype_name(dtype: DtypeArg) -> Optional[str]:
     """``dtype`` as the package's short name (``"bf16"``): also torch's names (``"bfloat16"``,
     ``"half"``, ``"float"``) and ``torch.dtype`` objects (``torch.bfloat16``); None stays None.
     :class:`~.errors.OptionError` for anything else, before any file is read."""
@@ -26,8 +36,9 @@ def dtype_name(dtype) -> Optional[str]:
     return to_user(from_user(dtype))
 
 
-def inspect_checkpoint(src, *, tag: Optional[str] = None, config: Optional[str] = None, tp_rules=None,
-                       source_options: Optional[Mapping[str, Any]] = None) -> dict:
+def inspect_checkpoint(src: StrPath, *, tag: Optional[str] = None, config: Optional[StrPath] = None,
+                       tp_rules: Optional[Sequence[str]] = None,
+                       source_options: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
     """Describe a checkpoint (engine, the source's own facts such as a ZeRO stage and world layout,
     dtypes, tensors, problems found).
 
@@ -40,11 +51,12 @@ def inspect_checkpoint(src, *, tag: Optional[str] = None, config: Optional[str] 
     return plan.summary()
 
 
-def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[str] = None,
-                      max_shard_size=MAX_SHARD_SIZE, config: Optional[str] = None, overwrite: bool = False,
-                      quiet: bool = True, tp_rules=None, workers: int = 1, merge_adapters: bool = False,
+def export_checkpoint(src: StrPath, dst: StrPath, *, tag: Optional[str] = None, dtype: DtypeArg = None,
+                      max_shard_size: Optional[Union[int, str]] = MAX_SHARD_SIZE, config: Optional[StrPath] = None,
+                      overwrite: bool = False, quiet: bool = True, tp_rules: Optional[Sequence[str]] = None,
+                      workers: int = 1, merge_adapters: bool = False,
                       base: Optional[str] = None, source_options: Optional[Mapping[str, Any]] = None,
-                      allow_missing: bool = False, weights_only: bool = False) -> dict:
+                      allow_missing: bool = False, weights_only: bool = False) -> Dict[str, Any]:
     """Export ``src`` (any source the registry reads: DeepSpeed save dir, tag dir, Trainer
     ``checkpoint-N``, universal checkpoint, HF directory) to an HF directory ``dst``.
 
@@ -107,8 +119,8 @@ def export_checkpoint(src, dst, *, tag: Optional[str] = None, dtype: Optional[st
     return {**report, "notes": list(plan.notes)}
 
 
-def verify_checkpoint(dst, against, *, tag: Optional[str] = None, config: Optional[str] = None,
-                      tp_rules=None, source_options: Optional[Mapping[str, Any]] = None,
+def verify_checkpoint(dst: StrPath, against: StrPath, *, tag: Optional[str] = None, config: Optional[StrPath] = None,
+                      tp_rules: Optional[Sequence[str]] = None, source_options: Optional[Mapping[str, Any]] = None,
                       quiet: bool = True) -> VerifyReport:
     """Compare every tensor of the HF directory ``dst`` with the source ``against``, bitwise. The plan
     is derived afresh (no Hub-layout cache): verify never takes an answer from what export used.
@@ -117,7 +129,7 @@ def verify_checkpoint(dst, against, *, tag: Optional[str] = None, config: Option
     from .sources.registry import find_source, is_universal_dir
 
     source = find_source(os.fspath(against), tag)  # once: the universal check and the config both ask it
-    if is_universal_dir(dst) and hook(source, "UNIVERSAL"):
+    if is_universal_dir(os.fspath(dst)) and hook(source, "UNIVERSAL"):
         from .universal_verify import verify_universal  # a universal checkpoint: every state, bitwise
 
         return verify_universal(dst, against, tag=tag, config=config_dir_of(config), tp_rules=tp_rules, quiet=quiet)
@@ -128,7 +140,7 @@ def verify_checkpoint(dst, against, *, tag: Optional[str] = None, config: Option
         return verify_plan(plan, dst, quiet=quiet)
 
 
-def _export_config(source, dst, against, tag) -> Optional[str]:
+def _export_config(source: "Source", dst: StrPath, against: StrPath, tag: Optional[str]) -> Optional[str]:
     """``dst`` when it is the export of a checkpoint whose plan needs the model's config
     (``source.needs_config``: a pipeline save's HF names, FSDP1 LOCAL_STATE_DICT's parameter shapes)
     and that keeps none beside it: the export wrote that config into ``dst``. None otherwise (the
@@ -143,7 +155,7 @@ def _export_config(source, dst, against, tag) -> Optional[str]:
     return os.fspath(dst)
 
 
-def check_missing(plan, src, allow_missing: bool) -> None:
+def check_missing(plan: "ExportPlan", src: StrPath, allow_missing: bool) -> None:
     """Refuse (:class:`~.errors.CheckpointError`) a plan some of whose model tensors the checkpoint
     does not hold (``plan.detail["missing_tensors"]``), naming them and the way on; with
     ``allow_missing`` the export goes on, with a note (``from_pretrained`` initialises them)."""
@@ -167,7 +179,7 @@ def check_missing(plan, src, allow_missing: bool) -> None:
 NO_CONFIG_NOTE = "no config.json found next to the checkpoint"
 
 
-def check_config(plan, src, weights_only: bool) -> None:
+def check_config(plan: "ExportPlan", src: StrPath, weights_only: bool) -> None:
     """Refuse (:class:`~.errors.CheckpointError`) the export of a plan with no config.json (none
     beside the checkpoint, none passed): ``from_pretrained`` cannot load such a directory. A PEFT
     adapter export needs none (``adapter_config.json`` is its config). ``weights_only``: the user

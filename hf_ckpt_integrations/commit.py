@@ -154,8 +154,8 @@ class SiblingSwap(CommitStrategy):
         if not stat.S_ISDIR(st.st_mode):
             return "it is not a directory"
         path = os.path.join(self._parent, name)
-        for item in [*self._inputs, *self._configs]:  # (lying inside one: dst's parent is checked)
-            kept = item[0] if isinstance(item, tuple) else item
+        for kept in [*self._inputs, *self._configs]:  # (lying inside one: dst's parent is checked)
+            kept = kept[0] if isinstance(kept, tuple) else kept
             if kept and is_or_holds(path, kept):
                 return f"it is or holds {kept}, which this export reads"
         sub = subdirectory(path)

@@ -23,9 +23,12 @@ default expressed as its input) and :func:`output_dtype` for each tensor.
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Pattern, Tuple
 
 from .formats.dtypes import FLOATS, from_user
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["KeepFp32", "request", "output_dtype", "kept_reason", "keep_fp32_of_model", "match_style", "trained_dtype"]
 
@@ -60,7 +63,7 @@ def match_style(transformers_major: Optional[int]) -> str:
 
 
 @lru_cache(maxsize=4096)
-def _pattern(module: str, style: str):
+def _pattern(module: str, style: str) -> Pattern[str]:
     if style == "search":  # transformers 5: core_model_loading.build_glob_alternation, then .search
         return re.compile(module.replace("*", r".*"))
     return re.compile(rf"((^|\.){module}($|\.))")  # 4.x from_pretrained: whole dotted components
@@ -104,7 +107,7 @@ def output_dtype(name: str, stored: str, requested: Optional[str], keep: Optiona
     return requested
 
 
-def keep_fp32_of_model(model) -> Optional[KeepFp32]:
+def keep_fp32_of_model(model: "torch.nn.Module") -> Optional[KeepFp32]:
     """The lists of a live model (a transformers ``PreTrainedModel``: its instance attributes, which
     transformers 5's ``post_init`` gathers from the children); None for any other module."""
     from .formats.config import model_class_name, transformers_major
@@ -117,7 +120,7 @@ def keep_fp32_of_model(model) -> Optional[KeepFp32]:
                     model_class_name(model))
 
 
-def trained_dtype(model) -> Optional[str]:
+def trained_dtype(model: "Optional[torch.nn.Module]") -> Optional[str]:
     """``"fp32"``/``"bf16"``/``"fp16"``: the dtype ``model`` trains in — the one dtype of its floating
     parameters, not counting fp32 ones its class keeps in fp32 for the others' dtype (a DeepSeek-V3
     loaded in bf16 holds its router in fp32); None when mixed otherwise, or no model."""
@@ -125,7 +128,7 @@ def trained_dtype(model) -> Optional[str]:
 
     if model is None:
         return None
-    seen = {}
+    seen: Dict[str, List[str]] = {}  # dtype -> the parameters of it
     for name, p in model.named_parameters():
         if p.is_floating_point():
             try:

@@ -12,15 +12,21 @@ import os
 import re
 import stat
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator, MutableMapping, Optional, Tuple, Union
+from typing import Any, BinaryIO, Iterable, Iterator, MutableMapping, Optional, Protocol, Sequence, Tuple, Union
 
 from .errors import CheckpointError, DestinationError, LayoutError, OptionError, one_line, short_repr
 
-if TYPE_CHECKING:
-    from .plan import ExportPlan
-
 # A path as callers hand it over (``str`` or ``pathlib.Path``): everything here takes it through os.fspath.
 StrPath = Union[str, "os.PathLike[str]"]
+
+
+class _Plan(Protocol):
+    """What :func:`plan_paths` reads of an :class:`~.plan.ExportPlan` (plan.py imports from below
+    guards, so it is named by shape: its files, and tensors with their piece groups)."""
+    @property
+    def files(self) -> Sequence[str]: ...
+    @property
+    def tensors(self) -> Sequence[Any]: ...
 
 __all__ = ["open_regular", "check_inside", "source_root", "plan_paths", "read_small_text", "read_latest", "check_tag_name", "config_problem", "read_config", "copyable_problem",
            "check_destination", "is_or_holds", "bad_metadata_as_input", "refuse_unreadable_layouts", "claim_file", "LATEST_LIMIT", "CONFIG_LIMIT",
@@ -83,8 +89,8 @@ def check_inside(paths: Iterable[StrPath], root: StrPath, *, what: str = "a file
     """Refuse (:class:`CheckpointError`, naming the first) a path of ``paths`` that resolves outside
     ``root``: a link inside the tree is fine, one leading out of it is not."""
     seen = set()
-    for p in paths:
-        path = os.fspath(p)
+    for path in paths:
+        path = os.fspath(path)
         if path in seen:
             continue
         seen.add(path)
@@ -93,7 +99,7 @@ def check_inside(paths: Iterable[StrPath], root: StrPath, *, what: str = "a file
             raise CheckpointError(problem)
 
 
-def plan_paths(plan: "ExportPlan") -> Iterator[str]:
+def plan_paths(plan: _Plan) -> Iterator[str]:
     """Every file path an :class:`~.plan.ExportPlan` reads bytes from (its pieces, replicas, chunks,
     module copies, tied copies) and the files it lists."""
     yield from plan.files
@@ -173,17 +179,17 @@ def copyable_problem(path: StrPath, root: StrPath) -> Optional[str]:
     """Why ``path`` must not be read or copied as a file of the directory ``root`` (None when it may):
     it must resolve to a regular file inside ``root`` (a link inside the tree is fine; one that
     leads out of it could expose any file of this machine in an export that users upload)."""
-    p, r = os.fspath(path), os.fspath(root)
-    real, real_root = os.path.realpath(p), os.path.realpath(r)
+    path, root = os.fspath(path), os.fspath(root)
+    real, real_root = os.path.realpath(path), os.path.realpath(root)
     if not _inside(real, real_root):
-        return (f"{p}: a symbolic link to a file outside {r}; not copied (copy the file itself into the "
+        return (f"{path}: a symbolic link to a file outside {root}; not copied (copy the file itself into the "
                 "export by hand if it is meant to be there)")
     try:
         st = os.stat(real)
     except OSError as e:
-        return f"{p}: cannot read it ({e.strerror}); not copied"
+        return f"{path}: cannot read it ({e.strerror}); not copied"
     if not stat.S_ISREG(st.st_mode):
-        return f"{p}: not a regular file; not copied"
+        return f"{path}: not a regular file; not copied"
     return None
 
 
@@ -235,8 +241,8 @@ def check_destination(dst: StrPath, *, inputs: Iterable[Union[str, Tuple[str, st
     real = os.path.realpath(raw)
     if real == os.path.dirname(real):
         raise DestinationError(f"{raw}: is the root of the file system; pass a new directory to write")
-    for item in inputs:
-        src, role = item if isinstance(item, tuple) else (item, "the source")
+    for src in inputs:
+        src, role = src if isinstance(src, tuple) else (src, "the source")
         if not src:
             continue
         r = os.path.realpath(src)
@@ -256,7 +262,7 @@ def check_destination(dst: StrPath, *, inputs: Iterable[Union[str, Tuple[str, st
 
 
 @contextmanager
-def bad_metadata_as_input(where: str) -> Iterator[None]:
+def bad_metadata_as_input(where: StrPath) -> Iterator[None]:
     """Turn the errors that malformed metadata raises while a plan is built (a list where a dict
     belongs, a missing key, a number that is a string) into :class:`~.errors.LayoutError` naming
     ``where``: they are bad input (exit 2), not bugs. The original stays chained for ``--debug``."""

@@ -8,20 +8,23 @@ already own their bytes. :func:`lean_state_dict` copies only what needs it; :fun
 measures the problem in files already written.
 """
 
-from typing import Dict
+from typing import TYPE_CHECKING, Any, Dict, Mapping
 
 from .sources.audit import audit  # re-exported: measures the bloat this module cures
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["lean_state_dict", "is_lean", "audit"]
 
 
-def is_lean(t) -> bool:
+def is_lean(t: "torch.Tensor") -> bool:
     """True when ``t`` is contiguous and its storage holds exactly its own bytes."""
     nbytes = t.numel() * t.element_size()
     return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == nbytes
 
 
-def lean_state_dict(state_dict):
+def lean_state_dict(state_dict: Mapping[str, Any]) -> Dict[str, Any]:
     """A state dict in which every tensor's storage is exactly its bytes.
 
     - Tensors that are already lean are returned as they are (no copy).

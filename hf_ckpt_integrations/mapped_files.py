@@ -3,6 +3,7 @@ the writer's byte copies, verify)."""
 
 import mmap
 import threading
+from typing import Dict
 
 from .formats.file_ranges import short_read
 
@@ -12,8 +13,8 @@ __all__ = ["MappedFiles"]
 class MappedFiles:
     """Read-only mmaps of source files, opened once and shared by all reads of a run."""
 
-    def __init__(self):
-        self._maps = {}
+    def __init__(self) -> None:
+        self._maps: Dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()  # the writer's worker threads share one instance
 
     def get(self, path: str) -> mmap.mmap:
@@ -33,7 +34,7 @@ class MappedFiles:
             raise short_read(path, offset + nbytes)
         return view
 
-    def close(self):
+    def close(self) -> None:
         for m in self._maps.values():
             try:
                 m.close()
@@ -41,8 +42,8 @@ class MappedFiles:
                 pass
         self._maps.clear()
 
-    def __enter__(self):
+    def __enter__(self) -> "MappedFiles":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()

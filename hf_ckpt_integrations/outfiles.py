@@ -11,6 +11,7 @@ import os
 import secrets
 import shutil
 import stat
+from typing import IO, Any, BinaryIO, Literal, Optional, TextIO, Union, overload
 
 __all__ = ["create_file", "open_new", "open_dir", "replace_file", "NOFOLLOW"]
 
@@ -18,13 +19,25 @@ NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
-def create_file(path, *, dir_fd=None, mode: int = 0o644) -> int:
+# A path as callers hand it over (as guards.StrPath, which this module does not import).
+_Path = Union[str, "os.PathLike[str]"]
+
+
+def create_file(path: _Path, *, dir_fd: Optional[int] = None, mode: int = 0o644) -> int:
     """A descriptor (write-only) of a new regular file at ``path``; ``FileExistsError`` when anything,
     a symbolic link included, is already there."""
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | _CLOEXEC, mode, dir_fd=dir_fd)
 
 
-def open_new(path, mode: str = "wb", *, dir_fd=None, **kwargs):
+@overload
+def open_new(path: _Path, mode: Literal["wb"] = "wb", *, dir_fd: Optional[int] = None, **kwargs: Any) -> BinaryIO: ...
+
+
+@overload
+def open_new(path: _Path, mode: Literal["w"], *, dir_fd: Optional[int] = None, **kwargs: Any) -> TextIO: ...
+
+
+def open_new(path: _Path, mode: str = "wb", *, dir_fd: Optional[int] = None, **kwargs: Any) -> IO[Any]:
     """:func:`create_file` as a file object (``mode`` ``"wb"`` or ``"w"``; ``kwargs`` go to ``os.fdopen``)."""
     if mode not in ("wb", "w"):
         raise ValueError(f"mode={mode!r}: a new file is opened for writing only")
@@ -36,7 +49,7 @@ def open_new(path, mode: str = "wb", *, dir_fd=None, **kwargs):
         raise
 
 
-def open_dir(path) -> int:
+def open_dir(path: _Path) -> int:
     """A descriptor of the directory ``path`` itself (the last component is not followed if it is a
     link: ``NotADirectoryError``/``OSError(ELOOP)``)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | NOFOLLOW | _CLOEXEC)
@@ -46,7 +59,7 @@ def open_dir(path) -> int:
     return fd
 
 
-def replace_file(path, data: bytes = b"", *, source=None) -> None:
+def replace_file(path: _Path, data: bytes = b"", *, source: Optional[IO[bytes]] = None) -> None:
     """``path`` holds ``data`` (or the rest of the binary file object ``source``) afterwards: written
     to a new sibling, then renamed over ``path``, so a link or a hard link at ``path`` is replaced
     (the name), never written through."""

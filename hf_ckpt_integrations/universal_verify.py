@@ -3,18 +3,22 @@ writes it): every state file re-read by the restricted unpickler and compared, b
 source's state merged afresh by the same plan."""
 
 import os
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from .errors import CheckpointError
+from .guards import StrPath
 from .formats.torch_files import TensorRef
 from .mapped_files import MappedFiles
 from .universal_writer import ZERO_DIR, plan_universal
 
+if TYPE_CHECKING:
+    from .verify import VerifyReport
+
 __all__ = ["verify_universal"]
 
 
-def verify_universal(dst, against, *, tag: Optional[str] = None, config: Optional[str] = None,
-                     tp_rules: Optional[Sequence[str]] = None, quiet: bool = True):
+def verify_universal(dst: StrPath, against: StrPath, *, tag: Optional[str] = None, config: Optional[str] = None,
+                     tp_rules: Optional[Sequence[str]] = None, quiet: bool = True) -> "VerifyReport":
     """Compare the universal checkpoint ``dst`` with the DeepSpeed save ``against``, state by state:
     every ``zero/<param>/<state>.pt`` tensor bitwise the source's state merged afresh by the plan,
     every ``step.pt`` the stored step, no parameter or state missing or extra. ``dst``'s files are
@@ -35,7 +39,7 @@ def verify_universal(dst, against, *, tag: Optional[str] = None, config: Optiona
     report.differences += [f"{n}: missing from {zero}" for n in sorted(expected - present)]
     report.differences += [f"{n}: in {zero} but not a parameter of the source" for n in sorted(present - expected)]
 
-    def stored(path):
+    def stored(path: str) -> Any:  # what the state file holds, unpickled
         if not os.path.isfile(path):
             return None
         obj = load(path)

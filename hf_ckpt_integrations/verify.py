@@ -6,16 +6,19 @@ ranges, the source side through a fresh plan, cast to each file tensor's dtype.
 
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from .assemble import check_module_copy, iter_bytes
 from .errors import short_repr
-from .guards import open_regular
+from .guards import StrPath, open_regular
 from .formats.dtypes import SIZES as DTYPE_SIZES
 from .formats.names import (ADAPTER_BIN_NAME, ADAPTER_SAFETENSORS_NAME, BIN_INDEX, BIN_NAME, CONFIG_NAME,
                             SAFETENSORS_INDEX, SAFETENSORS_NAME)
 from .formats.safetensors import read_hf_dir  # re-exported: what verify reads the export with
 from .mapped_files import MappedFiles
+
+if TYPE_CHECKING:
+    from .plan import ExportPlan
 
 __all__ = ["VerifyReport", "read_hf_dir", "loaded_weights", "verify_plan"]
 
@@ -32,7 +35,7 @@ class VerifyReport:
         return not self.differences
 
 
-def loaded_weights(dst, *, adapter: bool = False) -> Tuple[Optional[str], List[str]]:
+def loaded_weights(dst: StrPath, *, adapter: bool = False) -> Tuple[Optional[str], List[str]]:
     """``(name, problems)``: the weight file of the HF directory ``dst`` that ``from_pretrained(dst)``
     loads (None: none there), following its precedence (transformers ``_get_resolved_checkpoint_files``:
     config.json's ``transformers_weights``, then ``model.safetensors``, ``model.safetensors.index.json``,
@@ -46,7 +49,7 @@ def loaded_weights(dst, *, adapter: bool = False) -> Tuple[Optional[str], List[s
                                                                          BIN_NAME, BIN_INDEX)
     present = [n for n in order if os.path.isfile(os.path.join(dst, n))]
     chosen = present[0] if present else None
-    problems = []
+    problems: List[str] = []
     if not adapter:
         explicit = None
         try:
@@ -76,7 +79,7 @@ def loaded_weights(dst, *, adapter: bool = False) -> Tuple[Optional[str], List[s
     return chosen, problems
 
 
-def verify_plan(plan, dst, *, quiet: bool = True) -> VerifyReport:
+def verify_plan(plan: "ExportPlan", dst: StrPath, *, quiet: bool = True) -> VerifyReport:
     """Check that ``dst`` holds exactly the tensors of ``plan``, bitwise: the weights ``from_pretrained``
     (or, for an adapter, peft) would load from it (:func:`loaded_weights`), and nothing else beside them.
     Not ``quiet``: a byte progress bar on stderr when it is a terminal."""
@@ -127,7 +130,7 @@ def verify_plan(plan, dst, *, quiet: bool = True) -> VerifyReport:
     return report
 
 
-def _check_source_crc(plan, report) -> None:
+def _check_source_crc(plan: "ExportPlan", report: VerifyReport) -> None:
     """CRC-32 of every archive the plan reads (partitions, module weights, DCP chunks), against the
     checksum torch recorded when it saved it (:func:`~.sources.registry.integrity_problems`): a
     flipped bit in a partition is a difference."""

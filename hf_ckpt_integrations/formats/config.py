@@ -41,13 +41,13 @@ def config_dir_of(config: Optional[StrPath]) -> Optional[str]:
     (:class:`~..errors.OptionError`): the tokenizer and generation files are looked for beside it."""
     if config is None:
         return None
-    path = os.fspath(config)
-    if os.path.isfile(path):
-        if os.path.basename(path) != CONFIG_NAME:
-            raise OptionError(f"{path}: {option('config', 'PATH')} takes a file named config.json or the "
+    config = os.fspath(config)
+    if os.path.isfile(config):
+        if os.path.basename(config) != CONFIG_NAME:
+            raise OptionError(f"{config}: {option('config', 'PATH')} takes a file named config.json or the "
                               "directory holding the model's config.json (its tokenizer files are read beside it)")
-        return os.path.dirname(path) or "."
-    return path
+        return os.path.dirname(config) or "."
+    return config
 
 
 def transformers_major() -> Optional[int]:

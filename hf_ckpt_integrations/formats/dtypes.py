@@ -7,7 +7,7 @@ numpy, and to the value ``config.json`` records (``"bfloat16"``). torch is impor
 :func:`to_torch`.
 """
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..errors import OptionError
 

@@ -306,7 +306,7 @@ def check_crc(path: StrPath, ranges: Iterable[Tuple[int, int]]) -> list[str]:
     path = os.fspath(path)
     if is_legacy(path):
         return []  # the legacy format records no checksums
-    spans = sorted((o, o + n) for o, n in ranges if n)
+    ranges = sorted((o, o + n) for o, n in ranges if n)
     bad: list[str] = []
     with open(path, "rb") as fh, _open_zip(fh, path) as zf:
         archive = os.path.dirname(_pickle_entry(zf, path).filename)
@@ -317,7 +317,7 @@ def check_crc(path: StrPath, ranges: Iterable[Tuple[int, int]]) -> list[str]:
             by_offset[off] = (prefix + key, n, zf.getinfo(prefix + key).CRC)
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
             for off, (name, n, crc) in sorted(by_offset.items()):
-                if not any(lo < off + n and off < hi for lo, hi in spans):
+                if not any(lo < off + n and off < hi for lo, hi in ranges):
                     continue
                 got = 0
                 for pos in range(off, off + n, CRC_BLOCK):

@@ -7,17 +7,21 @@ file's own small buffer: nothing pre-scans for where the pickles end and nothing
 memory, whatever its size. :mod:`.torch_files` reads the zip format and calls :func:`read`.
 """
 
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Optional, Tuple, Union
+from typing import Any, BinaryIO, Callable, Optional, Protocol, Tuple, Union
 
 from ..errors import CheckpointError, UnsafeCheckpointError, short_repr
 from ..guards import StrPath, open_regular
 from .dtypes import SIZES as DTYPE_SIZES
 from .unpickler import MAX_PICKLE_BYTES, Allowlist, load_stream
 
-if TYPE_CHECKING:
-    from .torch_files import StorageRef
-
 __all__ = ["MAGIC", "PROTOCOL", "is_legacy", "read"]
+
+
+class _StorageLike(Protocol):
+    """What a reader's ``storage(...)`` returns (:class:`.torch_files.StorageRef`; torch_files imports
+    this module, so it is named by what is read of it)."""
+    @property
+    def dtype(self) -> str: ...
 
 # torch.save's legacy (non-zip) format, ``_use_new_zipfile_serialization=False`` (DeepSpeed's
 # ``checkpoint_serialization: false``): pickles of the magic number, the protocol version and the
@@ -82,7 +86,7 @@ _MAX_LINE = 2**16  # one text line (a protocol-0/1 opcode's argument: a global's
 
 
 def read(fh: BinaryIO, path: str, file_size: int, allowed: Allowlist,
-         storage: "Callable[[Any, str, int, int], StorageRef]") -> Any:
+         storage: Callable[[Any, str, int, int], _StorageLike]) -> Any:
     """The object of the legacy file open as ``fh`` (``path``, ``file_size`` bytes), unpickled with
     the allowlist ``allowed``; ``storage(type, key, numel, offset)`` makes the reader's reference to
     the storage ``key`` of ``numel`` elements at byte ``offset`` (refusing an unknown type).
@@ -102,7 +106,7 @@ def read(fh: BinaryIO, path: str, file_size: int, allowed: Allowlist,
     main_start = pickles.tell()
     recorded: dict[str, Tuple[str, int, Any]] = {}
 
-    def record(pid: Any) -> "StorageRef":  # first pass: which storages the object names, of what dtype and size
+    def record(pid: Any) -> _StorageLike:  # first pass: which storages the object names, of what dtype and size
         if not (type(pid) is tuple and len(pid) == 6 and pid[0] == "storage"):
             raise UnsafeCheckpointError(f"{path}: refused for safety: unexpected persistent id {short_repr(pid)}")
         _, dtype, key, _location, numel, view = pid
@@ -140,7 +144,7 @@ def read(fh: BinaryIO, path: str, file_size: int, allowed: Allowlist,
             raise CheckpointError(f"{path}: truncated (storage {key} runs past the end of the file); copy it again "
                                   "from the training run")
 
-    def persistent_load(pid: Any) -> "StorageRef":  # the same pickle again: the ids the first pass checked
+    def persistent_load(pid: Any) -> _StorageLike:  # the same pickle again: the ids the first pass checked
         _, marker = recorded[pid[2]][1:]
         return storage(marker, pid[2], recorded[pid[2]][1], offsets[pid[2]])
 

@@ -28,21 +28,16 @@ from typing import Any, Callable, Iterable, Mapping, NoReturn, Optional, Protoco
 
 from ..errors import CheckpointError, UnsafeCheckpointError, short_repr
 
-# An allowlist: module -> {name -> the stand-in (a class, a function, a marker) a global becomes}
-# (the inner mappings' value types differ per list, so the readers' literals type as Mapping[str, object]).
+# An allowlist: module -> {name -> the stand-in (a class, function or marker) a global becomes}.
 Allowlist = Mapping[str, Any]
+# pickle's pure-Python unpickler: typeshed types its public face only (no _Unframer, _Stop, load_* methods).
+_pickle: Any = pickle
 
 
 class PickleInput(Protocol):
     """What the unpickler reads from: a binary file, or a reader bounding one (``torch_legacy``)."""
-
     def read(self, n: int, /) -> bytes: ...
-
     def readline(self) -> bytes: ...
-
-# pickle's pure-Python unpickler: typeshed declares only its public face (no _Unframer, _Stop, opcode
-# methods or dispatch table), so its internals are reached through this untyped name.
-_pickle: Any = pickle
 
 __all__ = ["StandIn", "Leaf", "Opaque", "Record", "record_type", "CONTAINERS", "CLIENT_STATE", "NumpyArray",
            "NumpyDtype", "NumpyScalar", "EnumMember", "loads",
@@ -172,8 +167,7 @@ class NumpyDtype(StandIn):
     def __init__(self, descr: Any, align: Any = False, copy: Any = False) -> None:
         if type(descr) is not str or len(descr) > 32 or type(align) is not bool or type(copy) is not bool:
             raise CheckpointError(f"numpy.dtype{short_repr((descr, align, copy))} is not a dtype")
-        self.descr: str = descr
-        self.state: Any = None
+        self.descr, self.state = descr, None
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
@@ -198,7 +192,7 @@ class NumpyArray(StandIn):
             raise CheckpointError(f"a numpy array with the state {short_repr(state)}; the file is corrupt or crafted")
         _version, self.shape, self.dtype, _fortran, self.data = state
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"numpy.ndarray(shape={self.shape}, dtype={self.dtype!r})"
 
 
@@ -477,8 +471,7 @@ _ERR_REPR.maxlevel, _ERR_REPR.maxstring, _ERR_REPR.maxother = 2, 200, 60
 def _check_tree(obj: Any, path: str) -> None:
     """Walk the loaded tree once, level by level, within the budgets (a shared node is counted each
     time it is reached, so a DAG or a cycle that a later walk would expand runs out of budget here)."""
-    level: list[Any] = [obj]
-    depth, count = 0, 0
+    level, depth, count = [obj], 0, 0
     while level:
         if depth > MAX_DEPTH:
             raise CheckpointError(f"{path}: its pickle nests deeper than {MAX_DEPTH} levels; no checkpoint "

@@ -10,15 +10,22 @@ files) only when every rank succeeded; otherwise every rank raises the same
 """
 
 import os
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 from ..comm import default_comm
 from ..commit import STAGING_NAME, MergeIntoCheckpoint, weight_files as existing_weights
 from ..formats.config import write_config
 from ..formats.safetensors import floating_dtypes
+from ..guards import StrPath
 from ..orchestrator import write
 from ..plan import ExportPlan
 from ..writer import MAX_SHARD_SIZE
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..formats.out_tensor import OutTensor
+    from ..mapped_files import MappedFiles
 
 __all__ = ["write_distributed", "existing_weights", "existing_weights_dtype", "consolidate_checkpoint", "consolidate",
            "STAGING_NAME", "write_config_on_rank0", "SAVE_CONSEQUENCE"]
@@ -27,7 +34,7 @@ __all__ = ["write_distributed", "existing_weights", "existing_weights_dtype", "c
 SAVE_CONSEQUENCE = "the destination was left without the new weights: fix the cause and save again"
 
 
-def existing_weights_dtype(directory) -> Optional[str]:
+def existing_weights_dtype(directory: StrPath) -> Optional[str]:
     """The safetensors dtype of the floating tensors already saved in ``directory`` (one dtype),
     else ``None`` (no safetensors weights, or mixed)."""
     names = [n for n in existing_weights(directory) if n.endswith(".safetensors")]
@@ -37,7 +44,7 @@ def existing_weights_dtype(directory) -> Optional[str]:
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
-def _holds_plan_dtypes(directory, plan) -> bool:
+def _holds_plan_dtypes(directory: StrPath, plan: ExportPlan) -> bool:
     """True when ``directory`` already holds safetensors weights with every tensor of ``plan`` in its
     decided output dtype (the Trainer's own save, written in the target dtype)."""
     from ..formats.safetensors import read_hf_dir
@@ -49,10 +56,10 @@ def _holds_plan_dtypes(directory, plan) -> bool:
     return all(held.get(t.name) == t.out_dtype for t in plan.tensors)
 
 
-def write_distributed(plan: ExportPlan, dst, *, max_shard_size=MAX_SHARD_SIZE,
+def write_distributed(plan: ExportPlan, dst: StrPath, *, max_shard_size: Optional[Union[int, str]] = MAX_SHARD_SIZE,
                       collective: bool = False, config_dir: Optional[str] = None,
                       replace_existing: bool = True, what: str = "HF export", fmt: str = "safetensors",
-                      files=None) -> dict:
+                      files: "Optional[MappedFiles]" = None) -> Dict[str, Any]:
     """Write the tensors of ``plan`` as HF weights into the existing-or-new directory ``dst`` (see
     module doc).
 
@@ -65,7 +72,7 @@ def write_distributed(plan: ExportPlan, dst, *, max_shard_size=MAX_SHARD_SIZE,
     n, "written_here": [...], "sharded": bool, "shards_by_rank": {...}}``. Raises
     :class:`~..comm.WriteError` on every rank when any rank failed.
     """
-    def finish(staging, tensors):
+    def finish(staging: str, tensors: "Sequence[OutTensor]") -> Dict[str, Any]:
         return {"config_files": write_config(staging, config_dir=config_dir, tensor_dtypes=[t.dtype for t in tensors])}
 
     report = write(plan, MergeIntoCheckpoint(dst, replace_existing=replace_existing), comm=default_comm(),
@@ -76,21 +83,25 @@ def write_distributed(plan: ExportPlan, dst, *, max_shard_size=MAX_SHARD_SIZE,
             "shards_by_rank": report["shards_by_rank"]}
 
 
-def write_config_on_rank0(module, directory, plan: Optional[ExportPlan] = None, *, keep_existing: bool = False) -> None:
+def write_config_on_rank0(module: "torch.nn.Module", directory: str, plan: Optional[ExportPlan] = None, *,
+                          keep_existing: bool = False) -> None:
     """Rank 0 writes config.json (with the output dtype of ``plan``'s tensors, as save_pretrained records it); a
     failure there raises on every rank. ``keep_existing``: rank 0 leaves a config.json already there
     (only rank 0 looks: every rank takes part in the collective whatever it finds). Collective."""
-    def write_it():
+    def write_it() -> None:
         if not (keep_existing and os.path.isfile(os.path.join(directory, "config.json"))):
-            write_config(directory, model=module, tensor_dtypes=[t.out_dtype for t in plan.tensors] if plan else [])
+            write_config(directory, model=module,  # (dtypes decided: the writer's plan)
+                         tensor_dtypes=[t.out_dtype for t in plan.tensors if t.out_dtype is not None] if plan else [])
 
     default_comm().on_rank0(write_it, f"writing config.json into {directory}", SAVE_CONSEQUENCE)
 
 
-def consolidate(checkpoint_dir, dst, *, what: str, tag: Optional[str] = None, dtype: Optional[str] = None,
-                config: Optional[str] = None, check: Optional[Callable] = None, max_shard_size=MAX_SHARD_SIZE,
+def consolidate(checkpoint_dir: StrPath, dst: StrPath, *, what: str, tag: Optional[str] = None,
+                dtype: Optional[str] = None, config: Optional[str] = None,
+                check: Optional[Callable[[ExportPlan], object]] = None,
+                max_shard_size: Optional[Union[int, str]] = MAX_SHARD_SIZE,
                 replace_existing: bool = True, fmt: str = "safetensors", copy_config: bool = True,
-                keep: Optional[Callable] = None) -> Optional[dict]:
+                keep: Optional[Callable[[ExportPlan], bool]] = None) -> Optional[Dict[str, Any]]:
     """Write into ``dst`` the export of the engine checkpoint in ``checkpoint_dir``. Collective.
 
     The plan is built once, on rank 0, from the files every rank sees, where ``check(plan)`` may
@@ -103,7 +114,7 @@ def consolidate(checkpoint_dir, dst, *, what: str, tag: Optional[str] = None, dt
     from ..sources import build_plan
     from ..writer import decided
 
-    def plan_it():
+    def plan_it() -> Tuple[ExportPlan, bool]:
         plan = build_plan(checkpoint_dir, tag=tag, dtype=dtype, config=config)
         if check is not None:
             check(plan)
@@ -118,9 +129,9 @@ def consolidate(checkpoint_dir, dst, *, what: str, tag: Optional[str] = None, dt
                                  replace_existing=replace_existing, what=what, fmt=fmt, files=files)
 
 
-def consolidate_checkpoint(checkpoint_dir, *, tag: Optional[str] = None, dtype: Optional[str] = None,
-                           max_shard_size=MAX_SHARD_SIZE, existing: str = "auto", config: Optional[str] = None,
-                           what: Optional[str] = None) -> dict:
+def consolidate_checkpoint(checkpoint_dir: StrPath, *, tag: Optional[str] = None, dtype: Optional[str] = None,
+                           max_shard_size: Optional[Union[int, str]] = MAX_SHARD_SIZE, existing: str = "auto",
+                           config: Optional[str] = None, what: Optional[str] = None) -> Dict[str, Any]:
     """Write HF weights into ``checkpoint_dir`` from the DeepSpeed checkpoint it holds. Collective.
 
     Every rank calls it (or a single process without ``torch.distributed``); the directory must be

@@ -31,7 +31,7 @@ Not handled (the original ``save_model`` runs): FSDP, XLA, Megatron-LM — see
 import functools
 import logging
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Union
 
 from ..formats.config import write_config
 from ..dtype_rule import request, trained_dtype
@@ -40,12 +40,16 @@ from ..writer import MAX_SHARD_SIZE
 from ..comm import WriteError, default_comm
 from ._dist import consolidate_checkpoint, write_config_on_rank0, write_distributed
 
+if TYPE_CHECKING:
+    import torch
+    from accelerate import Accelerator
+
 __all__ = ["install_accelerate_hooks", "save_model"]
 
 logger = logging.getLogger(__name__)
 
 
-def _accelerate_default_shard():
+def _accelerate_default_shard() -> Union[int, str]:
     """``accelerator.save_model``'s own default ``max_shard_size``, read from its signature."""
     import inspect
 
@@ -54,7 +58,7 @@ def _accelerate_default_shard():
     return inspect.signature(Accelerator.save_model).parameters["max_shard_size"].default
 
 
-def _supported(accelerator) -> bool:
+def _supported(accelerator: "Accelerator") -> bool:
     from accelerate.utils import DistributedType
 
     dt = accelerator.distributed_type
@@ -65,8 +69,9 @@ def _supported(accelerator) -> bool:
                   DistributedType.MULTI_GPU)
 
 
-def save_model(accelerator, model, save_directory, max_shard_size=None,
-               safe_serialization: bool = True, *, dtype: Optional[str] = None) -> dict:
+def save_model(accelerator: "Accelerator", model: "torch.nn.Module", save_directory: str,
+               max_shard_size: Optional[Union[int, str]] = None, safe_serialization: bool = True, *,
+               dtype: Optional[str] = None) -> Dict[str, Any]:
     """What the hooked ``accelerator.save_model`` runs. Collective: every rank calls it.
 
     ``dtype``: ``None`` keeps the training dtype of each tensor. ``max_shard_size``: None is
@@ -93,8 +98,9 @@ def save_model(accelerator, model, save_directory, max_shard_size=None,
     return report
 
 
-def _save_state_pre_hook(accelerator, dtype, max_shard_size):
-    def hook(models, weights, output_dir):
+def _save_state_pre_hook(accelerator: "Accelerator", dtype: Optional[str], max_shard_size: Optional[Union[int, str]]
+                         ) -> Callable[[List["torch.nn.Module"], List[Dict[str, Any]], str], None]:
+    def hook(models: List["torch.nn.Module"], weights: List[Dict[str, Any]], output_dir: str) -> None:
         from accelerate.utils import DistributedType
 
         if accelerator.distributed_type != DistributedType.DEEPSPEED:
@@ -112,8 +118,9 @@ def _save_state_pre_hook(accelerator, dtype, max_shard_size):
     return hook
 
 
-def install_accelerate_hooks(accelerator, *, dtype: Optional[str] = None, save_state_weights: bool = False,
-                             state_max_shard_size=MAX_SHARD_SIZE):
+def install_accelerate_hooks(accelerator: "Accelerator", *, dtype: Optional[str] = None,
+                             save_state_weights: bool = False,
+                             state_max_shard_size: Optional[Union[int, str]] = MAX_SHARD_SIZE) -> "Accelerator":
     """Make ``accelerator.save_model`` (and, with ``save_state_weights``, ``save_state``) write lean,
     complete HF directories. Call once, right after ``Accelerator(...)``; calling again is a no-op.
 
@@ -126,15 +133,16 @@ def install_accelerate_hooks(accelerator, *, dtype: Optional[str] = None, save_s
     original = accelerator.save_model
 
     @functools.wraps(original)
-    def hooked_save_model(model, save_directory, max_shard_size=_accelerate_default_shard(),
-                          safe_serialization=True):
+    def hooked_save_model(model: "torch.nn.Module", save_directory: str,
+                          max_shard_size: Optional[Union[int, str]] = _accelerate_default_shard(),
+                          safe_serialization: bool = True) -> Optional[Dict[str, Any]]:
         if not _supported(accelerator):
             return original(model, save_directory, max_shard_size=max_shard_size,
                             safe_serialization=safe_serialization)
         return save_model(accelerator, model, save_directory, max_shard_size, safe_serialization, dtype=dtype)
 
     accelerator.save_model = hooked_save_model
-    handles = []
+    handles: List[Any] = []  # accelerate's RemovableHandle s
     if save_state_weights:
         handles.append(accelerator.register_save_state_pre_hook(
             _save_state_pre_hook(accelerator, dtype, state_max_shard_size)))

@@ -22,11 +22,17 @@ synchronous). Other plugins (LowLevelZero, Gemini, TorchDDP, TorchFSDP) keep the
 
 import functools
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from ..formats.config import write_config
 from ..comm import default_comm
 from ._dist import SAVE_CONSEQUENCE, write_distributed
+
+if TYPE_CHECKING:
+    import torch
+    from colossalai.booster import Booster
+
+    from ..sources.colossalai import TensorInfo
 
 __all__ = ["install_colossalai_hooks", "save_model"]
 
@@ -36,13 +42,14 @@ _MIB = 1024 * 1024  # ColossalAI's size_per_shard is in MiB
 _ONE_FILE = 1 << 62
 
 
-def _supported(booster) -> bool:
+def _supported(booster: "Booster") -> bool:
     from colossalai.booster.plugin import HybridParallelPlugin
 
     return isinstance(getattr(booster, "plugin", None), HybridParallelPlugin)
 
 
-def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, dtype: Optional[str] = None) -> dict:
+def save_model(model: "torch.nn.Module", checkpoint: str, *, shard: bool = False, size_per_shard: float = 1024,
+               dtype: Optional[str] = None) -> Dict[str, Any]:
     """What the hooked ``booster.save_model`` runs. Collective: every rank calls it.
 
     Returns the writer's report. Raises :class:`~..comm.WriteError` on every rank when any failed.
@@ -52,7 +59,8 @@ def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, d
     if hasattr(model, "_force_wait_all_gather"):
         model._force_wait_all_gather()  # ZeRO overlap_allgather may still be filling the params
     module = model.unwrap() if hasattr(model, "unwrap") else model
-    infos, error = None, None
+    infos: "Optional[List[TensorInfo]]" = None
+    error: Optional[Exception] = None
     try:
         infos = describe_model(module)
         _check_hub_layout(module, infos)
@@ -60,18 +68,20 @@ def save_model(model, checkpoint, *, shard: bool = False, size_per_shard=1024, d
         error = e
     comm = default_comm()
     comm.all_ok(error, f"booster.save_model into {checkpoint}: reading the layout", SAVE_CONSEQUENCE)
+    assert infos is not None  # described on every rank, or all_ok raised
     max_shard_size = int(size_per_shard * _MIB) if shard else _ONE_FILE
     what = f"booster.save_model into {checkpoint}"
     # The writer assigns the shards and gives each read its writing rank (who receives each tensor).
     plan = live_plan(infos, module, dtype=dtype)
     report = write_distributed(plan, checkpoint, max_shard_size=max_shard_size, collective=True,
                                replace_existing=True, what=what)
-    comm.on_rank0(lambda: write_config(checkpoint, model=module, tensor_dtypes=[t.out_dtype for t in plan.tensors]),
+    comm.on_rank0(lambda: write_config(checkpoint, model=module,  # (dtypes decided: the writer's plan)
+                                       tensor_dtypes=[t.out_dtype for t in plan.tensors if t.out_dtype is not None]),
                   f"writing config.json into {checkpoint}", SAVE_CONSEQUENCE)
     return report
 
 
-def _check_hub_layout(module, infos) -> None:
+def _check_hub_layout(module: "torch.nn.Module", infos: "Sequence[TensorInfo]") -> None:
     """ColossalAI runs on transformers 4.x, where the names in memory are the Hub names; should a
     transformers that fuses weights in memory (5.x MoE experts) ever run here, refuse rather than
     write names only that version loads (this path gathers whole tensors; it does not split them)."""
@@ -85,7 +95,7 @@ def _check_hub_layout(module, infos) -> None:
                               "use transformers 4.x")
 
 
-def install_colossalai_hooks(booster, *, dtype: Optional[str] = None):
+def install_colossalai_hooks(booster: "Booster", *, dtype: Optional[str] = None) -> "Booster":
     """Make ``booster.save_model`` write HF directories (see module doc). Call once, right after
     ``Booster(plugin=...)``; calling again is a no-op. Returns ``booster``.
 
@@ -97,8 +107,9 @@ def install_colossalai_hooks(booster, *, dtype: Optional[str] = None):
     original = booster.save_model
 
     @functools.wraps(original)
-    def hooked_save_model(model, checkpoint, shard=False, gather_dtensor=True, prefix=None, size_per_shard=1024,
-                          use_safetensors=False, use_async=False):
+    def hooked_save_model(model: "torch.nn.Module", checkpoint: str, shard: bool = False, gather_dtensor: bool = True,
+                          prefix: Optional[str] = None, size_per_shard: int = 1024, use_safetensors: bool = False,
+                          use_async: bool = False) -> Optional[Dict[str, Any]]:
         if not _supported(booster):
             logger.warning("install_colossalai_hooks: %s is not handled; using ColossalAI's own save_model",
                            type(getattr(booster, "plugin", None)).__name__)

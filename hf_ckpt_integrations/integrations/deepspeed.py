@@ -14,9 +14,14 @@ Call it on every rank, as ``engine.save_checkpoint`` itself.
 """
 
 import re
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from ..convert.tp_rules import hf_plans_for, rule_from_hf_plan
+
+if TYPE_CHECKING:
+    import torch
+    from deepspeed import DeepSpeedEngine
+    from transformers import PretrainedConfig
 
 __all__ = ["derive_universal_checkpoint_info", "universal_checkpoint_info", "save_checkpoint"]
 
@@ -68,11 +73,13 @@ def derive_universal_checkpoint_info(local_shapes: Mapping[str, Tuple[int, ...]]
     return info
 
 
-def universal_checkpoint_info(model, config_dir_or_config=None) -> dict:
+def universal_checkpoint_info(model: "torch.nn.Module",
+                              config_dir_or_config: "Union[str, PretrainedConfig, None]" = None) -> Dict[str, Any]:
     """Derive the record for a live (possibly ZeRO-3 partitioned) HF ``model`` on this rank."""
     import tempfile
 
     config = getattr(model, "config", None) if config_dir_or_config is None else config_dir_or_config
+    assert config is not None, "the model has no config: pass config_dir_or_config"
     with tempfile.TemporaryDirectory() as d:
         if isinstance(config, str):
             d = config
@@ -89,7 +96,8 @@ def universal_checkpoint_info(model, config_dir_or_config=None) -> dict:
                                             else None, version=version)
 
 
-def save_checkpoint(engine, save_dir, tag=None, client_state=None, **kwargs):
+def save_checkpoint(engine: "DeepSpeedEngine", save_dir: str, tag: Optional[str] = None,
+                    client_state: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> bool:
     """``engine.save_checkpoint`` with ``universal_checkpoint_info`` derived from ``engine.module``."""
     state = dict(client_state or {})
     state.setdefault("universal_checkpoint_info", universal_checkpoint_info(engine.module))

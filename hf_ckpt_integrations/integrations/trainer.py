@@ -23,7 +23,7 @@ Decisions (documented in ``docs/integrations/trainer.md``):
 
 import logging
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 
 from transformers import TrainerCallback
 
@@ -35,21 +35,25 @@ from ..writer import MAX_SHARD_SIZE
 from ..comm import default_comm
 from ._dist import consolidate_checkpoint, existing_weights, write_config_on_rank0
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+
 __all__ = ["ConsolidatedCheckpointCallback", "consolidate_checkpoint", "save_model", "training_dtype"]
 
 logger = logging.getLogger(__name__)
 
-def _has_engine_checkpoint(directory) -> bool:
+def _has_engine_checkpoint(directory: str) -> bool:
     """The directory holds a training engine's checkpoint (the source registry says which)."""
     return engine_checkpoint(directory) is not None
 
 
-def _has_dcp(directory) -> bool:
+def _has_dcp(directory: str) -> bool:
     """An FSDP checkpoint (``pytorch_model_fsdp_0/``, torch DCP): the Trainer writes no config.json beside it."""
     return engine_checkpoint(directory) == dcp.NAME
 
 
-def _consolidate_engine_checkpoint(directory, model, **kwargs) -> dict:
+def _consolidate_engine_checkpoint(directory: str, model: "Optional[torch.nn.Module]", **kwargs: Any) -> Dict[str, Any]:
     """HF weights (and, for an FSDP checkpoint, config.json from ``model``) into ``directory`` from the
     engine checkpoint the Trainer has just written there. Collective."""
     if model is not None and _has_dcp(directory):  # the same answer on every rank (the DCP save is behind)
@@ -57,8 +61,8 @@ def _consolidate_engine_checkpoint(directory, model, **kwargs) -> dict:
     return consolidate_checkpoint(directory, **kwargs)
 
 
-def save_model(trainer, output_dir: Optional[str] = None, *, dtype: Optional[str] = None,
-               max_shard_size=MAX_SHARD_SIZE, existing: str = "auto") -> dict:
+def save_model(trainer: "Trainer", output_dir: Optional[str] = None, *, dtype: Optional[str] = None,
+               max_shard_size: Optional[Union[int, str]] = MAX_SHARD_SIZE, existing: str = "auto") -> Dict[str, Any]:
     """``trainer.save_model(output_dir)``, then make ``output_dir`` loadable with ``from_pretrained``.
 
     Call it on every rank where you would call ``trainer.save_model()``. Under ZeRO-3 without
@@ -80,7 +84,7 @@ def save_model(trainer, output_dir: Optional[str] = None, *, dtype: Optional[str
                                           max_shard_size=max_shard_size, existing=existing)
 
 
-def _default_dtype(dtype: Optional[str], model) -> Optional[str]:
+def _default_dtype(dtype: Optional[str], model: "Optional[torch.nn.Module]") -> Optional[str]:
     """The dtype asked for, by default the training dtype (:func:`~..dtype_rule.request`): what
     ``save_pretrained`` of the trained model writes (its fp32-kept modules still from the masters)."""
     return to_user(request(dtype, training=trained_dtype(model)))
@@ -104,8 +108,8 @@ class ConsolidatedCheckpointCallback(TrainerCallback):
     A failure on any rank raises :class:`~..comm.WriteError` on every rank.
     """
 
-    def __init__(self, *, dtype: Optional[str] = None, max_shard_size=MAX_SHARD_SIZE, checkpoints: str = "every",
-                 existing: str = "auto"):
+    def __init__(self, *, dtype: Optional[str] = None, max_shard_size: Optional[Union[int, str]] = MAX_SHARD_SIZE,
+                 checkpoints: str = "every", existing: str = "auto") -> None:
         if checkpoints not in ("every", "last"):
             raise ValueError(f"checkpoints={checkpoints!r}; use 'every' or 'last'")
         dtype_from_name(dtype)  # validate early
@@ -114,9 +118,9 @@ class ConsolidatedCheckpointCallback(TrainerCallback):
         self.checkpoints = checkpoints
         self.existing = existing
         self.last_checkpoint: Optional[str] = None
-        self.reports = {}
+        self.reports: Dict[str, Dict[str, Any]] = {}  # checkpoint directory -> its report
 
-    def _consolidate(self, directory, model):
+    def _consolidate(self, directory: str, model: "Optional[torch.nn.Module]") -> Dict[str, Any]:
         if not _has_engine_checkpoint(directory):
             # Not a DeepSpeed run: the Trainer's own save_pretrained output is already loadable.
             return {"action": "kept", "files": existing_weights(directory)}
@@ -132,7 +136,8 @@ class ConsolidatedCheckpointCallback(TrainerCallback):
         logger.info("hf_ckpt_integrations: %s HF weights in %s", report["action"], directory)
         return report
 
-    def on_save(self, args, state, control, model=None, **kwargs):
+    def on_save(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl",
+                model: "Optional[torch.nn.Module]" = None, **kwargs: Any) -> "TrainerControl":
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         # Same path _save_checkpoint used (no hyperparameter search: run_dir == output_dir).
@@ -142,12 +147,13 @@ class ConsolidatedCheckpointCallback(TrainerCallback):
             self._consolidate(directory, model)
         return control
 
-    def on_train_end(self, args, state, control, model=None, **kwargs):
+    def on_train_end(self, args: "TrainingArguments", state: "TrainerState", control: "TrainerControl",
+                     model: "Optional[torch.nn.Module]" = None, **kwargs: Any) -> "TrainerControl":
         if self.checkpoints == "last" and self.last_checkpoint and os.path.isdir(self.last_checkpoint):
             self._consolidate(self.last_checkpoint, model)
         return control
 
-    def save_model(self, trainer, output_dir: Optional[str] = None) -> dict:
+    def save_model(self, trainer: "Trainer", output_dir: Optional[str] = None) -> Dict[str, Any]:
         """:func:`save_model` with this callback's options."""
         return save_model(trainer, output_dir, dtype=self.dtype, max_shard_size=self.max_shard_size,
                           existing=self.existing)
