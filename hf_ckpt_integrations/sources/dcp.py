@@ -79,7 +79,7 @@ _RECORDS = {name: record_type(name) for name in (
 _META = {n: _RECORDS[n] for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
                                   "TensorProperties", "MetadataIndex", "StorageMeta")}
 # module -> name -> stand-in: what torch's own DCP writers pickle into .metadata (torch 2.2 -> 2.13).
-ALLOWED = {
+ALLOWED: Dict[str, Dict[str, Any]] = {
     "torch": dict(torch_files.TORCH_GLOBALS),
     "torch.serialization": {"_get_layout": _layout},
     "torch.distributed.checkpoint.metadata": {**_META, "_MEM_FORMAT_ENCODING": _mem_format},
