@@ -78,7 +78,8 @@ def resolve_base(adapter: dict, base: Optional[str]) -> str:
                       "pass --base DIR holding the base model (its config.json and safetensors)")
 
 
-def _group(adapter_plan: "ExportPlan", cfg_path: str) -> Tuple[Dict[str, Dict[str, "TensorPlan"]], Dict[str, "TensorPlan"]]:
+def _group(adapter_plan: "ExportPlan", cfg_path: str
+           ) -> Tuple[Dict[str, Dict[str, "TensorPlan"]], Dict[str, "TensorPlan"]]:
     """``(lora, replaced)``: base module name -> {kind: TensorPlan} for LoRA pairs; base tensor name
     -> TensorPlan for ``modules_to_save`` copies."""
     lora: Dict[str, Dict[str, "TensorPlan"]] = {}

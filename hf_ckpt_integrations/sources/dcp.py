@@ -188,7 +188,8 @@ def read_metadata(dcp_dir: str) -> Tuple[Dict[str, DcpTensor], Storage, Dict[str
                            guards.dims(c.field("sizes"), "chunk sizes", where)))
         tensors[fqn] = DcpTensor(dtype, size, placed)
     storage: Storage = {}
-    spans: List[Tuple[str, int, int, str, Any]] = []  # (file, start, end, fqn, offsets) of every storage entry: distinct chunks never share bytes
+    # (file, start, end, fqn, offsets) of every storage entry: distinct chunks never share bytes
+    spans: List[Tuple[str, int, int, str, Any]] = []
     sdata = md.field("storage_data")
     if type(sdata) is not dict:
         raise LayoutError(f"{where}: no storage_data (written by a storage writer other than FileSystemWriter?); "

@@ -207,7 +207,8 @@ def live_tensors(module: "torch.nn.Module", *, dtype: Optional[str] = None,
     # parameters' groups are not the writer's: broadcast there).
     p2p = not any(getattr(p, "ds_is_replaced_module", False) for p in module.parameters())
     aliases: Dict[str, str] = {}  # tied name -> the name written
-    sources: Dict[str, Tuple[Tuple[int, ...], str, Read]] = {}  # name -> (shape, stored dtype, read(lo, hi, writer, dtype) -> chunks)
+    # name -> (shape, stored dtype, read(lo, hi, writer, dtype) -> chunks)
+    sources: Dict[str, Tuple[Tuple[int, ...], str, Read]] = {}
     for name, t in state.items():
         if t is None:
             continue

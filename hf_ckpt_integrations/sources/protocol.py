@@ -66,7 +66,7 @@ class Source(Protocol):
     def LOOKS_FOR(self) -> str: ...  # what it recognises, in words (listed when no source claims a path)
 
     @property
-    def MEMORY_NAMES(self) -> bool: ...  # its names are the model's in-memory ones: tied-weight and Hub-layout passes apply
+    def MEMORY_NAMES(self) -> bool: ...  # its names are the model's in-memory ones: tied/Hub-layout passes apply
 
     @property
     def OPTIONS(self) -> Tuple[SourceOption, ...]: ...  # the options it takes

@@ -13,8 +13,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "hf_ckpt_integrations"
-FLOOR = 318  # fully annotated functions on main (of 861): raise it, never lower it
-MYPY_CEILING = 169  # mypy errors on annotated code today (the merged branches added 8): lower it as they are fixed
+FLOOR = 514  # fully annotated functions on annB (of 867): raise it, never lower it
+MYPY_CEILING = 130  # mypy errors on annotated code on annB: lower it as they are fixed
 
 
 def annotated(pkg: Path = PKG):

@@ -79,8 +79,8 @@ def plan_bf16_optimizer(ranks: Mapping[int, "OptimFile"], param_groups: Optional
         counts = osd["partition_count"] if isinstance(osd["partition_count"], list) else [osd["partition_count"]]
         counts = [meta_int(c, rank_file.path, "partition_count") for c in counts]
         if any(c != dp for c in counts):
-            raise LayoutError(f"{rank_file.path}: {what}: partition_count {counts} differs from the {dp} data-parallel rank "
-                              "files of this tag; parameter groups with their own data-parallel size (MoE expert "
+            raise LayoutError(f"{rank_file.path}: {what}: partition_count {counts} differs from the {dp} data-parallel "
+                              "rank files of this tag; parameter groups with their own data-parallel size (MoE expert "
                               "groups) are not supported for BF16_Optimizer saves yet")
         if len(osd["single_partition_of_fp32_groups"]) != groups or len(osd["param_slice_mappings"]) != groups:
             raise LayoutError(f"{rank_file.path}: {what}: records {len(osd['single_partition_of_fp32_groups'])} fp32 "

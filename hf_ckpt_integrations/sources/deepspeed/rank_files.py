@@ -18,8 +18,8 @@ from .allowlist import load
 from .bf16_optimizer import is_bf16_optimizer_state
 from .fields import check_optim_types, require
 
-__all__ = ["OPTIM_RE", "MODEL_RE", "OptimFile", "RankFile", "is_tag_dir", "list_tags", "resolve_tag_dir", "holds_checkpoint",
-           "claim", "find_rank_files", "optim_name", "model_name"]
+__all__ = ["OPTIM_RE", "MODEL_RE", "OptimFile", "RankFile", "is_tag_dir", "list_tags", "resolve_tag_dir",
+           "holds_checkpoint", "claim", "find_rank_files", "optim_name", "model_name"]
 
 OPTIM_RE = re.compile(r"^(?:(bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")

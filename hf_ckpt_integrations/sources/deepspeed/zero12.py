@@ -139,7 +139,8 @@ def prove_places(ranks: Mapping[int, "OptimFile"], group: int, names: Sequence[s
     """
     from ...casts import cast_bytes  # numpy: the one rounding implementation (bitwise torch's)
 
-    by_rank: Dict[int, List[Tuple[int, int, str, int]]] = {r: [] for r in range(len(parts))}  # rank -> [(local start, count, name, offset in param)]
+    # rank -> [(local start, count, name, offset in param)]
+    by_rank: Dict[int, List[Tuple[int, int, str, int]]] = {r: [] for r in range(len(parts))}
     for name, fr in zip(names, frags):
         done = 0
         for r, local, count in fr:

@@ -47,8 +47,8 @@ def is_flat_param(name: Any, value: Any) -> bool:
     return isinstance(value, ShardedRef) and type(name) is str and (name == FLAT or name.endswith("." + FLAT))
 
 
-def unit_params(model: "torch.nn.Module", units: List[str], where: str) -> Tuple[Dict[str, List[Tuple[str, tuple]]], Dict[str, str],
-                                                               List[Tuple[str, tuple]]]:
+def unit_params(model: "torch.nn.Module", units: List[str], where: str
+                ) -> Tuple[Dict[str, List[Tuple[str, tuple]]], Dict[str, str], List[Tuple[str, tuple]]]:
     """``({unit: [(name, shape)] in flat order}, {tied alias: name}, [(name, shape)] in no unit)`` of the
     meta ``model``: each unit module's ``named_modules(remove_duplicate=False)``, the parameters each
     module registers itself, modules under a nested unit skipped, a parameter seen before in the unit
@@ -104,7 +104,8 @@ def layouts(numels: List[int], world: int, total: int) -> Dict[tuple, List[int]]
     return found
 
 
-def _shard(ref: ShardedRef, name: str, path: str, rank: int) -> Tuple[int, str, Optional[Tuple[int, int, torch_files.TensorRef]]]:
+def _shard(ref: ShardedRef, name: str, path: str,
+           rank: int) -> Tuple[int, str, Optional[Tuple[int, int, torch_files.TensorRef]]]:
     """``(element count, dtype, (offset, size, local tensor) or None)`` of one rank's flat parameter."""
     shape = ref.shape
     if type(shape) not in (tuple, list) or len(shape) != 1 or type(shape[0]) is not int or shape[0] < 0:
