@@ -20,18 +20,15 @@ parameters by offset) with the shapes of the whole bf16 weights in ``module``. E
 placement is checked against the mappings and proven against the bf16 module weights.
 """
 
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ...errors import LayoutError, short_repr
 from ...formats.torch_files import TensorRef
 from ...plan import TensorPlan
 from . import partitions
-from .fields import fragment_address, meta_int, numel, recorded_shape, tensor_pieces
+from .fields import OptimFile, fragment_address, meta_int, numel, recorded_shape, tensor_pieces
 from .partitions import Fragment
 from .zero12 import module_copy, prove_places
-
-if TYPE_CHECKING:
-    from .rank_files import OptimFile
 
 __all__ = ["is_bf16_optimizer_state", "bf16_fragments", "order_from_mappings", "plan_bf16_optimizer"]
 
@@ -67,7 +64,7 @@ def order_from_mappings(mappings: List[Dict[str, tuple]]) -> List[str]:
     return out
 
 
-def plan_bf16_optimizer(ranks: Mapping[int, "OptimFile"], param_groups: Optional[List[Dict[str, Any]]], model_path: str,
+def plan_bf16_optimizer(ranks: Mapping[int, OptimFile], param_groups: Optional[List[Dict[str, Any]]], model_path: str,
                         tensors: Dict[str, TensorPlan], module: Mapping[str, Any], what: str) -> None:
     """Fill ``tensors`` with the fp32 masters of a ``BF16_Optimizer`` save. ``param_groups``: the
     model-states ``param_shapes`` (None when not recorded, at stage 0); ``module``: the model-states

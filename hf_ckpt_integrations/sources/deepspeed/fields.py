@@ -5,15 +5,26 @@ than failing deep inside the planning; pieces are byte ranges of the tensors the
 """
 
 import math
-from typing import Any, Callable, Sequence, Tuple
+from typing import Any, Callable, Dict, Protocol, Sequence, Tuple
 
 from ...errors import CheckpointError, LayoutError, short_repr
 from ...formats.dtypes import MAX_NDIM
 from ...formats.torch_files import TensorRef
 from ...plan import Piece
 
-__all__ = ["require", "check_model_types", "check_optim_types", "meta_int", "recorded_shape", "numel",
+__all__ = ["OptimFile", "require", "check_model_types", "check_optim_types", "meta_int", "recorded_shape", "numel",
            "tensor_pieces", "fragment_address"]
+
+
+class OptimFile(Protocol):
+    """What the ZeRO-1/2 and BF16_Optimizer planners read of one optimizer partition file: its
+    ``path`` and its ``optimizer_state_dict`` (``osd``). :class:`~.rank_files.RankFile` is one; a pipeline
+    save's reader has its own."""
+
+    path: str
+
+    @property
+    def osd(self) -> Dict[str, Any]: ...
 
 
 def require(obj: Any, key: str, path: str, what: str) -> Any:

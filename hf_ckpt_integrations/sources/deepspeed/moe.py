@@ -29,9 +29,10 @@ from ...errors import LayoutError
 from ...formats.torch_files import TensorRef
 from .allowlist import load
 
+from .fields import OptimFile
+
 if TYPE_CHECKING:
     from ...plan import TensorPlan
-    from .rank_files import OptimFile
 
 __all__ = ["EXPERT_FILE_RE", "EXPERT_NAME_RE", "AUTOEP_NAME_RE", "Experts", "expert_name", "expert_files", "find_expert_files", "global_expert_name",
            "TOPOLOGIES", "plan_expert_group"]
@@ -148,7 +149,7 @@ def global_expert_name(local_name: str, ep_rank: int, ep: int, counts: Dict[str,
     return f"{m.group(1)}{ep_rank * (total // ep) + local}{m.group(3)}"
 
 
-def plan_expert_group(ranks: Mapping[int, "OptimFile"], group: int, names: List[str],
+def plan_expert_group(ranks: Mapping[int, OptimFile], group: int, names: List[str],
                       shapes: Sequence[Tuple[int, ...]], count: Optional[int], model_path: str,
                       tensors: Dict[str, "TensorPlan"], experts: Experts, notes: List[str], *,
                       plan_group: Callable[..., None]) -> None:

@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from ...errors import LayoutError, short_repr
 from ...formats.torch_files import TensorRef
 from ...plan import Chunk, Piece, TensorPlan
-from .rank_files import OptimFile, find_rank_files
+from .fields import OptimFile
+from .rank_files import find_rank_files
 
 __all__ = ["OptimizerStates", "state_fields"]
 

@@ -10,7 +10,7 @@ stages, universal checkpoints) can reuse :func:`resolve_tag_dir` and :class:`Ran
 
 import os
 import re
-from typing import Any, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ... import guards
 from ...errors import CheckpointError, LayoutError
@@ -18,7 +18,7 @@ from .allowlist import load
 from .bf16_optimizer import is_bf16_optimizer_state
 from .fields import check_optim_types, require
 
-__all__ = ["OPTIM_RE", "MODEL_RE", "OptimFile", "RankFile", "is_tag_dir", "list_tags", "resolve_tag_dir",
+__all__ = ["OPTIM_RE", "MODEL_RE", "RankFile", "is_tag_dir", "list_tags", "resolve_tag_dir",
            "holds_checkpoint", "claim", "find_rank_files", "optim_name", "model_name"]
 
 OPTIM_RE = re.compile(r"^(?:(bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -98,17 +98,6 @@ def claim(ranks: dict, rank: Optional[int], value: Any, tag_dir: str, name: str,
     ``mp_rank_00``) are refused, naming both."""
     guards.claim_file(ranks, rank, os.path.join(tag_dir, name), where=tag_dir, what=what, canonical=canonical,
                       value=value)
-
-
-class OptimFile(Protocol):
-    """What the ZeRO-1/2 and BF16_Optimizer planners read of one optimizer partition file: its
-    ``path`` and its ``optimizer_state_dict`` (``osd``). :class:`RankFile` is one; a pipeline
-    save's reader has its own."""
-
-    path: str
-
-    @property
-    def osd(self) -> Dict[str, Any]: ...
 
 
 class RankFile:

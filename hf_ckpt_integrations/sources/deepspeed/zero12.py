@@ -3,24 +3,21 @@ data-parallel rank (the arithmetic is :mod:`.partitions`); every partition's pla
 against the module weights the model-states file holds whole."""
 
 import os
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ...errors import LayoutError
 from ...formats.torch_files import TensorRef
 from ...mapped_files import MappedFiles
 from ...plan import TensorPlan
 from . import moe, partitions
-from .fields import numel, recorded_shape, tensor_pieces
+from .fields import OptimFile, numel, recorded_shape, tensor_pieces
 from .partitions import Fragment
-
-if TYPE_CHECKING:
-    from .rank_files import OptimFile
 
 __all__ = ["plan_zero12", "plan_group", "plan_zero12_frozen", "module_copy", "prove_places", "param_alignment_paddings",
            "PLACE_SAMPLES"]
 
 
-def plan_zero12(ranks: Mapping[int, "OptimFile"], param_groups: List[Dict[str, Any]], model_path: str,
+def plan_zero12(ranks: Mapping[int, OptimFile], param_groups: List[Dict[str, Any]], model_path: str,
                 tensors: Dict[str, TensorPlan], module: Mapping[str, Any], *, notes: Optional[List[str]] = None,
                 experts: Optional[moe.Experts] = None) -> None:
     """Plan every parameter group of one model-parallel rank into ``tensors``. ``experts``: the
@@ -40,14 +37,14 @@ def plan_zero12(ranks: Mapping[int, "OptimFile"], param_groups: List[Dict[str, A
         plan_group(ranks, i, names, shapes, model_path, copies, tensors, notes)
 
 
-def _partition_count(rank_file: "OptimFile", group: int) -> Optional[int]:
+def _partition_count(rank_file: OptimFile, group: int) -> Optional[int]:
     pc = rank_file.osd.get("partition_count")
     if isinstance(pc, list) and group < len(pc) and isinstance(pc[group], int):
         return pc[group]
     return pc if isinstance(pc, int) else None
 
 
-def plan_group(ranks: Mapping[int, "OptimFile"], i: int, names: List[str], shapes: Sequence[Tuple[int, ...]],
+def plan_group(ranks: Mapping[int, OptimFile], i: int, names: List[str], shapes: Sequence[Tuple[int, ...]],
                model_path: str, copies: Mapping[str, Optional[TensorRef]], tensors: Dict[str, TensorPlan],
                notes: List[str], *, names_out: Optional[List[str]] = None) -> None:
     """Plan parameter group ``i`` held by ``ranks`` (``{partition rank: RankFile}``, the group's own
@@ -128,7 +125,7 @@ def module_copy(ref: Any, shape: Sequence[int]) -> Optional[TensorRef]:
     return None
 
 
-def prove_places(ranks: Mapping[int, "OptimFile"], group: int, names: Sequence[str], frags: List[List[Fragment]],
+def prove_places(ranks: Mapping[int, OptimFile], group: int, names: Sequence[str], frags: List[List[Fragment]],
                  parts: Sequence[TensorRef], copies: Mapping[str, Optional[TensorRef]], model_path: str) -> None:
     """Prove each rank file sits at its place: a few of its fp32 masters, cast to the module weights'
     dtype, must equal the module weights (saved whole in the model-states file) at the positions
@@ -182,7 +179,7 @@ def _is_nan(raw: bytes, dtype: str) -> bool:
     return (bits & 0x7FFF) > 0x7C00
 
 
-def param_alignment_paddings(ranks: Mapping[int, "OptimFile"], group: int) -> Optional[List[int]]:
+def param_alignment_paddings(ranks: Mapping[int, OptimFile], group: int) -> Optional[List[int]]:
     """Zeros DeepSpeed put after each parameter of ``group`` (``param_alignment_paddings``, 0.19+
     with ``parameter_alignment``); ``None`` when the files record none (all releases before 0.19)."""
     recorded = [r.osd.get("param_alignment_paddings") for r in ranks.values()]
