@@ -14,9 +14,13 @@ import math
 import os
 import re
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from .errors import LayoutError, OptionError
+
+if TYPE_CHECKING:
+    from .plan import ExportPlan, TensorPlan
+    from .writer import OutTensor
 
 __all__ = ["write_merged", "lora_scale", "resolve_base"]
 
@@ -25,7 +29,7 @@ _TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat1
 _LORA = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.weight)?$")
 
 
-def _scale(cfg: dict, module: str, path) -> Tuple[int, float, str]:
+def _scale(cfg: dict, module: str, path: str) -> Tuple[int, float, str]:
     """``(r, scale, field)`` of LoRA module ``module`` as peft's ``LoraModel._create_and_replace``
     derives them: ``rank_pattern``/``alpha_pattern`` through ``get_pattern_key`` (the first key,
     in order, matching the end of the name), else ``r``/``lora_alpha``; ``field`` names where alpha came from."""
@@ -41,7 +45,7 @@ def _scale(cfg: dict, module: str, path) -> Tuple[int, float, str]:
     return r, (alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r), field
 
 
-def lora_scale(cfg: dict, module: str, path="adapter_config.json") -> Tuple[int, float]:
+def lora_scale(cfg: dict, module: str, path: str = "adapter_config.json") -> Tuple[int, float]:
     """``(r, scale)`` of LoRA module ``module`` (its name in the base model) under adapter config ``cfg``
     (CheckpointError naming ``path`` and the field for a value peft could not use)."""
     r, scale, _ = _scale(cfg, module, path)
@@ -74,11 +78,12 @@ def resolve_base(adapter: dict, base: Optional[str]) -> str:
                       "pass --base DIR holding the base model (its config.json and safetensors)")
 
 
-def _group(adapter_plan, cfg_path) -> Tuple[Dict[str, dict], Dict[str, object]]:
+def _group(adapter_plan: "ExportPlan", cfg_path: str
+           ) -> Tuple[Dict[str, Dict[str, "TensorPlan"]], Dict[str, "TensorPlan"]]:
     """``(lora, replaced)``: base module name -> {kind: TensorPlan} for LoRA pairs; base tensor name
     -> TensorPlan for ``modules_to_save`` copies."""
-    lora: Dict[str, dict] = {}
-    replaced: Dict[str, object] = {}
+    lora: Dict[str, Dict[str, "TensorPlan"]] = {}
+    replaced: Dict[str, "TensorPlan"] = {}
     for t in adapter_plan.tensors:
         if not t.name.startswith(_PREFIX):
             raise LayoutError(f"{cfg_path}: adapter tensor {t.name} is not under {_PREFIX!r}; --merge-adapters "
@@ -100,7 +105,7 @@ def _group(adapter_plan, cfg_path) -> Tuple[Dict[str, dict], Dict[str, object]]:
     return lora, replaced
 
 
-def _layer_kinds(base_plan, base_dir, modules) -> Dict[str, Optional[str]]:
+def _layer_kinds(base_plan: "ExportPlan", base_dir: str, modules: List[str]) -> Dict[str, Optional[str]]:
     """``{module: "linear" | "conv1d" | "embedding" | <other class name> | None}``: the class of each
     LoRA module in the base model, from config.json's model built on the meta device (bounded by the
     base's tensors, as the Hub-layout pass bounds its build); None where no model can be built from
@@ -136,7 +141,9 @@ def _layer_kinds(base_plan, base_dir, modules) -> Dict[str, Optional[str]]:
     return kinds
 
 
-def _plan_merges(cfg, cfg_path, targets, base_by_name, base_plan, base_dir) -> Dict[str, tuple]:
+def _plan_merges(cfg: dict, cfg_path: str, targets: Dict[str, Tuple[str, Dict[str, "TensorPlan"]]],
+                 base_by_name: Dict[str, "TensorPlan"], base_plan: "ExportPlan",
+                 base_dir: str) -> Dict[str, Tuple[int, float, str, bool]]:
     """``{module: (r, scale, alpha field, transpose)}`` for every LoRA module, checked before anything
     is written: selected by ``target_modules`` as peft selects modules, A [r, in] and B [out, r] for
     the rank peft would give it, and the update oriented as peft's layer for that module orients it.
@@ -150,7 +157,7 @@ def _plan_merges(cfg, cfg_path, targets, base_by_name, base_plan, base_dir) -> D
     from .sources.peft import is_targeted
 
     kinds = _layer_kinds(base_plan, base_dir, [module for module, _ in targets.values()])
-    merges = {}
+    merges: Dict[str, Tuple[int, float, str, bool]] = {}
     for weight, (module, parts) in targets.items():
         if not is_targeted(cfg, module, cfg_path):
             raise LayoutError(f"{cfg_path}: target_modules does not select {module} (given exclude_modules, "
@@ -190,8 +197,9 @@ def _plan_merges(cfg, cfg_path, targets, base_by_name, base_plan, base_dir) -> D
     return merges
 
 
-def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Optional[str] = None,
-                 max_shard_size="5GB", overwrite: bool = False, quiet: bool = True) -> dict:
+def write_merged(adapter_plan: "ExportPlan", dst: Union[str, "os.PathLike[str]"], *, base: Optional[str] = None,
+                 dtype: Optional[str] = None, max_shard_size: Union[int, str] = "5GB", overwrite: bool = False,
+                 quiet: bool = True) -> Dict[str, Any]:
     """Write the LoRA adapter of ``adapter_plan`` merged into its base model at ``dst``.
 
     Raises :class:`~.errors.OptionError` when the plan is not an adapter, cannot be merged, or has
@@ -231,7 +239,7 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
         raise OptionError(f"{base_dir}: is itself a PEFT adapter; pass --base the base model's directory")
     lora, replaced = _group(adapter_plan, cfg_path)
     base_by_name = {t.name: t for t in base_plan.tensors}
-    targets: Dict[str, Tuple[str, dict]] = {}
+    targets: Dict[str, Tuple[str, Dict[str, "TensorPlan"]]] = {}
     for module, parts in lora.items():
         weight = f"{module}.weight"
         if weight not in base_by_name:
@@ -250,7 +258,8 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
         out = list(base_plan.tensors)
         by_name = {t.name: i for i, t in enumerate(out)}
 
-        def merged_chunks(wt, module, parts, out_dtype):
+        def merged_chunks(wt: "TensorPlan", module: str, parts: Dict[str, "TensorPlan"],
+                          out_dtype: str) -> Iterator[memoryview]:
             import torch
 
             r, scale, field, transpose = merges[module]
@@ -280,7 +289,8 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
         for name, (module, parts) in targets.items():
             wt = base_by_name[name]
 
-            def read(lo, hi, writer, d, wt=wt, module=module, parts=parts):
+            def read(lo: int, hi: int, writer: Optional[int], d: str, wt: "TensorPlan" = wt, module: str = module,
+                     parts: Dict[str, "TensorPlan"] = parts) -> Iterator[memoryview]:
                 return merged_chunks(wt, module, parts, d)
 
             out[by_name[name]] = replace(wt, parts=[[LivePiece(read, 0, wt.numel, wt.src_dtype)]], chunks=None,
@@ -295,7 +305,7 @@ def write_merged(adapter_plan, dst, *, base: Optional[str] = None, dtype: Option
         merged_plan = replace(base_plan, tensors=out)
         check_plan(merged_plan)
 
-        def finish(staging, tensors):
+        def finish(staging: str, tensors: Sequence["OutTensor"]) -> Dict[str, Any]:
             copied = write_config(staging, config_dir=base_plan.config_dir, skipped=skipped,
                                   tensor_dtypes=[t.dtype for t in tensors])
             return {"config_files": copied, "warnings": skipped}

@@ -17,9 +17,12 @@ Both raise :class:`~..errors.CheckpointError` (exit 2) naming config.json.
 import contextlib
 import os
 import re
-from typing import Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from ..errors import CheckpointError, LayoutError, one_line
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["bounded_build", "check_fits", "count_fields"]
 
@@ -34,7 +37,7 @@ _PARAMS_PER_TENSOR, _MODULES_PER_TENSOR, _FLOOR = 4, 16, 256
 _LAYER_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 
 
-def count_fields(cfg, prefix: str = "", depth: int = 0):
+def count_fields(cfg: Any, prefix: str = "", depth: int = 0) -> Iterator[Tuple[str, int]]:
     """``(dotted key, int value)`` for every count-like field of ``cfg`` and of its nested configs
     (``text_config.num_hidden_layers``)."""
     if depth > 4 or not isinstance(cfg, dict):
@@ -68,15 +71,16 @@ class _Budget:
         self.seen_params = self.seen_modules = 0
         self.tripped = False
 
-    def param(self, module, name, value):
+    # torch's registration hooks: (module, name, the parameter or submodule registered)
+    def param(self, module: Any, name: str, value: Any) -> None:
         self.seen_params += 1
         self._check()
 
-    def module(self, module, name, value):
+    def module(self, module: Any, name: str, value: Any) -> None:
         self.seen_modules += 1
         self._check()
 
-    def _check(self):
+    def _check(self) -> None:
         if self.seen_params > self.params or self.seen_modules > self.modules:
             self.tripped = True
             raise _Outgrown()
@@ -87,7 +91,8 @@ class _Outgrown(Exception):
 
 
 @contextlib.contextmanager
-def bounded_build(config_dir, shapes: Dict[str, Tuple[int, ...]], cfg: Optional[dict] = None):
+def bounded_build(config_dir: Union[str, "os.PathLike[str]"], shapes: Dict[str, Tuple[int, ...]],
+                  cfg: Optional[dict] = None) -> Iterator[None]:
     """Around building the model of ``config_dir/config.json`` for a checkpoint with tensors ``shapes``:
     first refuse a count field (``num_hidden_layers``, ``num_experts`` …) larger than the checkpoint
     can hold (:func:`_checkpoint_extent`); then abort the build as soon as it registers more parameters
@@ -124,11 +129,12 @@ def bounded_build(config_dir, shapes: Dict[str, Tuple[int, ...]], cfg: Optional[
                               f"(check {named}); pass --config the config.json of the model that was trained")
 
 
-def _shape(s) -> str:
+def _shape(s: Sequence[int]) -> str:
     return "[" + ", ".join(str(d) for d in s) + "]"
 
 
-def check_fits(model, shapes: Dict[str, Tuple[int, ...]], config_dir) -> list:
+def check_fits(model: "torch.nn.Module", shapes: Dict[str, Tuple[int, ...]],
+               config_dir: Union[str, "os.PathLike[str]"]) -> List[str]:
     """Refuse (LayoutError) when ``model`` (built from ``config_dir/config.json``) does not load exactly
     the checkpoint's tensors ``shapes`` (in-memory names, tied aliases already removed and renamed as
     ``save_pretrained`` keeps them): a tensor the model does not have, a model tensor the checkpoint
@@ -173,9 +179,10 @@ def check_fits(model, shapes: Dict[str, Tuple[int, ...]], config_dir) -> list:
         raise LayoutError(f"{path}: its {model_type!r} model does not have exactly the checkpoint's tensors: "
                           f"{one_line(problems[0])}" + (f" ({len(problems)} differences)" if len(problems) > 1 else "")
                           + "; pass --config the config.json of the model that was trained")
+    return []  # not reached: without problems nothing is missing, and that was returned above
 
 
-def _layer_held(name: str, shapes) -> bool:
+def _layer_held(name: str, shapes: Iterable[str]) -> bool:
     """Whether the checkpoint holds some tensor of every numbered layer/expert in ``name``: a missing
     tensor of a layer the checkpoint holds is a left-out parameter; a whole missing layer is a config
     of another (larger) model."""
@@ -186,7 +193,7 @@ def _layer_held(name: str, shapes) -> bool:
     return True
 
 
-def _any_of(patterns):
+def _any_of(patterns: Optional[Iterable[Any]]) -> Callable[[str], bool]:
     patterns = [p for p in (patterns or ()) if isinstance(p, str)]
     if not patterns:
         return lambda name: False

@@ -24,12 +24,21 @@ On transformers 4.x (no ``revert_weight_conversion``) the layout is the identity
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 from ..errors import LayoutError
 
 from ..formats.config import transformers_major  # re-exported: the hooks and tests ask here
 from .answer_cache import cache_key, read_answer, write_answer
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from ..plan import ExportPlan
 
 __all__ = ["HubTensor", "meta_model", "transformers_major", "hub_layout", "describe_conversions", "convert_plan",
            "live_layout",
@@ -48,7 +57,8 @@ class HubTensor:
     offset: int = 0
 
 
-def _builders(cfg, model_class):
+def _builders(cfg: "PretrainedConfig", model_class: Optional[Type["PreTrainedModel"]]
+              ) -> Iterator[Callable[["PretrainedConfig"], "torch.nn.Module"]]:
     import transformers
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
@@ -65,7 +75,8 @@ def _builders(cfg, model_class):
     yield AutoModel.from_config
 
 
-def meta_model(config, model_class=None, *, cfg: Optional[dict] = None):
+def meta_model(config: Union[str, "PretrainedConfig"], model_class: Optional[Type["PreTrainedModel"]] = None, *,
+               cfg: Optional[dict] = None) -> Optional["torch.nn.Module"]:
     """A model of ``config``'s family (a config object, or a directory holding config.json) on the
     meta device: ``model_class`` when given (a live model's own class), else the class
     ``architectures`` names (what ``save_pretrained`` recorded), else the first Auto class that maps
@@ -96,29 +107,32 @@ def meta_model(config, model_class=None, *, cfg: Optional[dict] = None):
                               "holding the model's config.json, or describe the merge with --tp-rule") from e
 
 
-def _meta_model(cfg, model_class, torch, modeling_utils):
+def _meta_model(cfg: "PretrainedConfig", model_class: Optional[Type["PreTrainedModel"]], torch: "ModuleType",
+                modeling_utils: "ModuleType") -> "torch.nn.Module":
     # Inside a live ZeRO-3 run (a save-time hook) from_config would build the model under
     # deepspeed.zero.Init and initialise it there, which fails on the meta device; transformers'
     # own "zero.Init already entered" flag makes it build a plain (meta) model.
     not_zero3 = getattr(modeling_utils, "set_zero3_state", contextlib.nullcontext)
-    error = None
+    error: Optional[ValueError] = None
     for build in _builders(cfg, model_class):
         with torch.device("meta"), not_zero3():
             try:
                 return build(cfg)
             except ValueError as e:  # this Auto class does not map the config
                 error = e
+    assert error is not None  # _builders yields AutoModel.from_config last: one build ran and failed
     raise error
 
 
-def _keep_views():
+def _keep_views() -> "TorchFunctionMode":
     """A ``TorchFunctionMode`` in which ``Tensor.contiguous`` returns its input: the conversion ops'
     copies would otherwise hide which source elements an output holds. Values are unchanged."""
     import torch
     from torch.overrides import TorchFunctionMode
 
     class KeepViews(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
+        def __torch_function__(self, func: Callable[..., Any], types: Any, args: Tuple[Any, ...] = (),
+                               kwargs: Optional[Dict[str, Any]] = None) -> Any:
             if func is torch.Tensor.contiguous:
                 return args[0]
             return func(*args, **(kwargs or {}))
@@ -126,7 +140,7 @@ def _keep_views():
     return KeepViews()
 
 
-def _revert():
+def _revert() -> Optional[Callable[..., Any]]:
     if (transformers_major() or 0) < 5:  # 4.x fuses nothing in memory: the layout is the identity
         return None
     try:
@@ -136,7 +150,7 @@ def _revert():
     return revert_weight_conversion
 
 
-def tied_renames(model, aliases: Dict[str, str]) -> Dict[str, str]:
+def tied_renames(model: Optional["torch.nn.Module"], aliases: Dict[str, str]) -> Dict[str, str]:
     """``{stored: name}`` for tied groups (``aliases``: tied name -> stored name) where
     ``save_pretrained`` keeps another name than the one stored (``remove_tied_weights_from_state_dict``
     of transformers 5, asked on the meta model); empty where they agree or transformers has no such rule."""
@@ -154,7 +168,7 @@ def tied_renames(model, aliases: Dict[str, str]) -> Dict[str, str]:
     return renames
 
 
-def hub_layout(shapes: Dict[str, Tuple[int, ...]], model) -> Optional[List[HubTensor]]:
+def hub_layout(shapes: Dict[str, Tuple[int, ...]], model: Optional["torch.nn.Module"]) -> Optional[List[HubTensor]]:
     """The tensors ``save_pretrained`` of ``model`` writes for a state dict with these names and
     shapes (tied aliases already removed), in its order; None when it writes them unchanged.
 
@@ -191,7 +205,7 @@ def hub_layout(shapes: Dict[str, Tuple[int, ...]], model) -> Optional[List[HubTe
     return result
 
 
-def _check_tiling(layout: Sequence[HubTensor], shapes: Dict[str, Tuple[int, ...]], model_type) -> None:
+def _check_tiling(layout: Sequence[HubTensor], shapes: Dict[str, Tuple[int, ...]], model_type: Optional[str]) -> None:
     """Each trained tensor is written exactly once: its slices tile it, no element dropped or doubled."""
     spans: Dict[str, List[Tuple[int, int]]] = {}
     for h in layout:
@@ -225,7 +239,7 @@ def describe_conversions(layout: Optional[Sequence[HubTensor]], shapes: Dict[str
     return out
 
 
-def _model_for(config_dir: str, model_type: Optional[str], cfg: Optional[dict] = None):
+def _model_for(config_dir: str, model_type: Optional[str], cfg: Optional[dict] = None) -> Optional["torch.nn.Module"]:
     """:func:`meta_model`, or None where it cannot be built and transformers registers no conversion
     for ``model_type`` (custom code: written as trained is then what save_pretrained writes)."""
     try:
@@ -253,11 +267,11 @@ def _layout_cache_key(cfg: dict, shapes: Dict[str, Tuple[int, ...]], aliases: Di
                                     sorted(aliases.items())])
 
 
-def _read_cached(key: str, shapes, aliases) -> Optional[dict]:
+def _read_cached(key: str, shapes: Mapping[str, Tuple[int, ...]], aliases: Mapping[str, str]) -> Optional[dict]:
     """The answer cached under ``key`` (:func:`~.answer_cache.read_answer`), or None (then it is
     derived again) when absent, not ours, malformed in any way, or not exactly what :func:`_derive`
     writes. A bad entry is a miss, never an error: the cache is a speed-up, never an authority."""
-    answer = read_answer("hub-layout", key)
+    answer: Any = read_answer("hub-layout", key)  # whatever JSON the file holds: checked below
     try:
         renames, layout, note = answer["renames"], answer["layout"], answer["note"]
         missing = answer.get("missing", [])
@@ -281,7 +295,7 @@ def _write_cached(key: str, answer: dict) -> None:
     write_answer("hub-layout", key, answer)
 
 
-def _derive(config_dir: str, model_type, shapes: Dict[str, Tuple[int, ...]], aliases: Dict[str, str],
+def _derive(config_dir: str, model_type: Optional[str], shapes: Dict[str, Tuple[int, ...]], aliases: Dict[str, str],
             cfg: Optional[dict] = None) -> dict:
     """Ask transformers (a meta model of the config's family): ``{"renames": {stored: kept name},
     "layout": [[name, source, shape, offset], ...] or None (unchanged), "note": str or None}``.
@@ -302,7 +316,7 @@ def _derive(config_dir: str, model_type, shapes: Dict[str, Tuple[int, ...]], ali
             "layout": None if layout is None else [[h.name, h.source, list(h.shape), h.offset] for h in layout]}
 
 
-def convert_plan(plan, cfg: dict, *, use_cache: bool = True) -> None:
+def convert_plan(plan: "ExportPlan", cfg: dict, *, use_cache: bool = True) -> None:
     """Rewrite ``plan.tensors`` (already without tied aliases) into the Hub layout in place: renamed,
     fused tensors split into byte ranges (:meth:`~..plan.TensorPlan.narrowed`), in save_pretrained's
     order; ``plan.conversions`` says what was done. Needs ``plan.config_dir`` and ``cfg``, its
@@ -349,7 +363,7 @@ def convert_plan(plan, cfg: dict, *, use_cache: bool = True) -> None:
     plan.tensors = tensors
 
 
-def live_layout(module, shapes: Dict[str, Tuple[int, ...]], aliases: Optional[Dict[str, str]] = None
+def live_layout(module: "torch.nn.Module", shapes: Dict[str, Tuple[int, ...]], aliases: Optional[Dict[str, str]] = None
                 ) -> List[Tuple[str, str, Tuple[int, ...], int]]:
     """``[(name, source, shape, offset)]`` to write for a live ``module`` whose (untied) state dict
     has these names and full shapes (``aliases``: tied name -> the name kept in ``shapes``):
@@ -367,6 +381,7 @@ def live_layout(module, shapes: Dict[str, Tuple[int, ...]], aliases: Optional[Di
     import copy
 
     model = meta_model(copy.deepcopy(config), type(module))
+    assert model is not None  # from a PretrainedConfig (the module's own) meta_model builds or raises
     conversions = getattr(module, "_weight_conversions", None)
     if conversions is not None:
         model._weight_conversions = conversions

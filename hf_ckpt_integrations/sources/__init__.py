@@ -5,16 +5,24 @@ runs the passes every plan gets; :func:`build_plan` is the one entry point.
 """
 
 import os
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 from ..errors import CheckpointError
 from ..supported_inputs import SRC_HINT
 from ..guards import bad_metadata_as_input, check_tag_name, config_problem
 
+if TYPE_CHECKING:
+    from ..plan import ExportPlan
+    from .protocol import Source
+
 __all__ = ["build_plan"]
 
 
-def build_plan(src, *, tag=None, dtype=None, config=None, tp_rules=None, source_options=None, layout_cache=True,
-               keep_fp32_lists=False, peft_base=False, source=None):
+def build_plan(src: Union[str, "os.PathLike[str]"], *, tag: Optional[str] = None, dtype: Optional[str] = None,
+               config: Optional[str] = None, tp_rules: Optional[Sequence[str]] = None,
+               source_options: Optional[Mapping[str, Any]] = None, layout_cache: bool = True,
+               keep_fp32_lists: bool = False, peft_base: bool = False,
+               source: Optional["Source"] = None) -> "ExportPlan":
     """Build the export plan for any supported checkpoint directory ``src``: the first source of the
     registry that claims it plans it, then the shared passes run, ending with
     :func:`~..plan.check_plan` (the writer never starts on a plan safetensors could not load).

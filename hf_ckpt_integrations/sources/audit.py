@@ -8,7 +8,7 @@ plan's notes; :mod:`..lean` cures it at save time.
 
 import os
 import zipfile
-from typing import List
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 from ..formats.dtypes import SIZES
 from ..formats.names import WEIGHT_FILES_RE
@@ -18,18 +18,18 @@ from ..formats.torch_files import TensorRef, load as load_torch_file
 __all__ = ["audit"]
 
 
-def _audit_safetensors(path) -> dict:
+def _audit_safetensors(path: str) -> Dict[str, Any]:
     header = read_header(path)  # validated: sizes are checked before anything is read
     tensor_bytes = sum(e.nbytes for e in header.tensors.values())
     return {"format": "safetensors", "tensors": len(header.tensors), "tensor_bytes": tensor_bytes,
             "storage_bytes": header.file_size - header.data_start}
 
 
-def _audit_torch_zip(path) -> dict:
+def _audit_torch_zip(path: str) -> Dict[str, Any]:
     obj = load_torch_file(path)
     refs: List[TensorRef] = []
 
-    def walk(o):
+    def walk(o: Any) -> None:
         if isinstance(o, TensorRef):
             refs.append(o)
         elif isinstance(o, dict):
@@ -47,7 +47,7 @@ def _audit_torch_zip(path) -> dict:
             "storage_bytes": sum(storages.values())}
 
 
-def audit(path, files=None) -> dict:
+def audit(path: Union[str, "os.PathLike[str]"], files: Optional[Iterable[str]] = None) -> Dict[str, Any]:
     """Storage bytes vs tensor bytes, per weight file of an HF directory (or one ``.bin``/
     ``.safetensors`` file). Reads headers and pickles only (no torch, nothing executed).
 

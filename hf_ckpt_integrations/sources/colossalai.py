@@ -28,7 +28,7 @@ ColossalAI attaches to parameters; it never calls ColossalAI's own gather/unpad 
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 from ..errors import LayoutError
 from ..dtype_rule import keep_fp32_of_model
@@ -36,6 +36,11 @@ from ..formats.dtypes import FLOATS, from_torch, to_torch
 from ..plan import ExportPlan, LivePiece, TensorPlan
 from .live import own_bytes
 from ..convert.passes import finish_plan
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..comm import Traffic
 
 __all__ = ["TensorInfo", "describe_model", "live_plan", "local_tensors"]
 
@@ -70,19 +75,19 @@ class TensorInfo:
         return list(self.groups[0])
 
 
-def _named_tensors(module):
+def _named_tensors(module: "torch.nn.Module") -> Iterator[Tuple[str, "torch.Tensor"]]:
     """Parameters, then persistent buffers, in ``state_dict`` naming — read directly, never through
     ``state_dict()``: shardformer's ``ParallelModule._save_to_state_dict`` gathers and unpads every TP
     tensor itself (an all-gather on every rank), which is the path this source must not depend on."""
     yield from module.named_parameters()
     for mod_name, mod in module.named_modules():
-        skip = getattr(mod, "_non_persistent_buffers_set", set())
+        skip: Set[str] = getattr(mod, "_non_persistent_buffers_set", set())
         for b_name, b in mod.named_buffers(recurse=False):
             if b is not None and b_name not in skip:
                 yield (f"{mod_name}.{b_name}" if mod_name else b_name), b
 
 
-def local_tensors(module) -> List[Tuple[str, object]]:
+def local_tensors(module: "torch.nn.Module") -> List[Tuple[str, "torch.Tensor"]]:
     """``(name, tensor)`` of the module's local parameters and persistent buffers (this rank's TP piece,
     still padded), a tied tensor once (first name).
 
@@ -102,13 +107,13 @@ def local_tensors(module) -> List[Tuple[str, object]]:
     return out
 
 
-def _local_record(name, t) -> dict:
+def _local_record(name: str, t: "torch.Tensor") -> Dict[str, Any]:
     import torch.distributed as dist
     from colossalai.tensor.d_tensor import is_distributed_tensor
     from colossalai.tensor.d_tensor.api import is_customized_distributed_tensor
     from colossalai.tensor.padded_tensor import is_padded_tensor
 
-    rec = {"name": name, "dtype": from_torch(t.dtype), "local_shape": tuple(t.shape), "shard_dim": None,
+    rec: Dict[str, Any] = {"name": name, "dtype": from_torch(t.dtype), "local_shape": tuple(t.shape), "shard_dim": None,
            "group": None, "global_shape": tuple(t.shape), "padding": None}
     if is_customized_distributed_tensor(t):
         raise LayoutError(f"{name}: a customized distributed tensor (e.g. a fused QKV split) has no generic "
@@ -132,7 +137,7 @@ def _local_record(name, t) -> dict:
     return rec
 
 
-def describe_model(module) -> List[TensorInfo]:
+def describe_model(module: "torch.nn.Module") -> List[TensorInfo]:
     """The global tensor list of a boosted model's unwrapped module. Collective: every rank calls it.
 
     Raises :class:`LayoutError` (on every rank that sees it) when ranks disagree about a tensor or a
@@ -142,7 +147,7 @@ def describe_model(module) -> List[TensorInfo]:
 
     local = [_local_record(n, t) for n, t in local_tensors(module)]
     comm = default_comm()  # pickled objects on the CPU (a gloo side group under NCCL)
-    everyone: List[Optional[list]] = comm.all_gather((comm.rank, local))
+    everyone: List[Tuple[int, List[Dict[str, Any]]]] = comm.all_gather((comm.rank, local))
     infos: Dict[str, TensorInfo] = {}
     for rank, records in everyone:  # rank order, then state_dict order: the same list everywhere
         for r in records:
@@ -189,7 +194,8 @@ def _finish(info: TensorInfo) -> None:
 _BLOCK_BYTES = 64 << 20
 
 
-def _gather(info: TensorInfo, local, sources: Sequence[int], me: int, writer: int, traffic):
+def _gather(info: TensorInfo, local: Optional["torch.Tensor"], sources: Sequence[int], me: int, writer: int,
+            traffic: Union["Traffic", "_LocalTraffic"]) -> Optional["torch.Tensor"]:
     """One TP-sharded (or whole) tensor, point to point to ``writer``: the full tensor there
     (``None`` elsewhere). Every tensor is on the collective device; the ranks agree before the
     transfer, so an error while staging (out of memory) is the same error everywhere. On the writer,
@@ -202,8 +208,10 @@ def _gather(info: TensorInfo, local, sources: Sequence[int], me: int, writer: in
     error, full, staged, views = None, None, None, []
     try:
         if me in sources and me != writer:
+            assert local is not None  # a source rank holds its piece
             staged = traffic.stage(local.detach()).contiguous()
         if me == writer and list(sources) == [me]:
+            assert local is not None  # the writer is the one source: it holds the tensor
             full = local.detach()  # whole here already: nothing to receive
         elif me == writer:
             shapes = [tuple(info.holders[r]) for r in sources]
@@ -224,6 +232,7 @@ def _gather(info: TensorInfo, local, sources: Sequence[int], me: int, writer: in
         return None
     for r, view in views:
         if r == me:
+            assert local is not None  # the writer is one of the sources: it holds its piece
             view.copy_(local.detach())
             continue
         direct = view.is_contiguous()
@@ -232,13 +241,14 @@ def _gather(info: TensorInfo, local, sources: Sequence[int], me: int, writer: in
         if not direct:
             view.copy_(buf)
             del buf
+    assert full is not None  # the writer built it above (or agree() raised)
     if info.padding is not None:  # only now, on the gathered tensor
         dim, origin, _ = info.padding
         full = full.narrow(dim, 0, origin)
     return full
 
 
-def _blocks(full, cast):
+def _blocks(full: "torch.Tensor", cast: Optional["torch.dtype"]) -> Iterator[memoryview]:
     """``full``'s bytes (cast), in blocks of whole leading-dim rows of about ``_BLOCK_BYTES``."""
     rows = full.shape[0] if full.dim() else 1
     if full.dim() == 0 or rows <= 1:
@@ -253,21 +263,21 @@ def _blocks(full, cast):
 class _LocalTraffic:
     """One process: no collective, tensors stay where they are."""
 
-    def __init__(self, local):
+    def __init__(self, local: Optional["torch.Tensor"]):
         self.device = local.device if local is not None else "cpu"
 
-    def stage(self, t):
+    def stage(self, t: "torch.Tensor") -> "torch.Tensor":
         return t
 
-    def agree(self, error):
+    def agree(self, error: Optional[BaseException]) -> None:
         if error is not None:
             raise error
 
-    def exchange(self, ops):
+    def exchange(self, ops: Sequence[Tuple[Callable[..., Any], "torch.Tensor", int]]) -> None:
         raise AssertionError("one process has no one to exchange with")
 
 
-def live_plan(infos: Sequence[TensorInfo], module, *, dtype: Optional[str] = None) -> ExportPlan:
+def live_plan(infos: Sequence[TensorInfo], module: "torch.nn.Module", *, dtype: Optional[str] = None) -> ExportPlan:
     """The plan for ``infos``: one :class:`~..plan.TensorPlan` per tensor, its one piece a
     :class:`~..plan.LivePiece` whose ``read(lo, hi, writer, dtype)`` runs on every rank once the writer
     has assigned the tensor to rank ``writer``: the writer receives the TP pieces from their
@@ -285,12 +295,13 @@ def live_plan(infos: Sequence[TensorInfo], module, *, dtype: Optional[str] = Non
     distributed = dist.is_available() and dist.is_initialized()
     me = dist.get_rank() if distributed else 0
     mine = dict(local_tensors(module))
-    shared = {}
-    out = []
+    shared: Dict[str, Union[Traffic, _LocalTraffic]] = {}
+    out: List[TensorPlan] = []
     for info in infos:
         local = mine.get(info.name)
 
-        def read(lo, hi, writer, dtype, info=info, local=local):
+        def read(lo: int, hi: int, writer: int, dtype: str, info: TensorInfo = info,
+                 local: Optional["torch.Tensor"] = local) -> Iterator[memoryview]:
             if "traffic" not in shared:
                 shared["traffic"] = Traffic() if distributed else _LocalTraffic(local)
             full = _gather(info, local, info.sources(writer), me, writer, shared["traffic"])

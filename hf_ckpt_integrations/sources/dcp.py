@@ -23,7 +23,8 @@ import json
 import math
 import os
 import re
-from typing import Dict, List, Optional, Tuple
+from functools import partial
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from .. import guards
 from ..formats import torch_files, unpickler
@@ -31,6 +32,7 @@ from ..formats.dtypes import SIZES as DTYPE_SIZES
 from ..errors import CheckpointError, LayoutError, one_line, short_repr
 from ..plan import Chunk, ExportPlan, Piece, TensorPlan, check_tiling, row_major_pieces
 from ..formats.unpickler import Record, record_type
+from .protocol import PlanContext
 
 __all__ = ["ALLOWED", "find_dcp_dir", "read_metadata", "data_archives", "check_archive_crcs", "plan_dcp_dir", "DcpTensor",
            "NAME", "LOOKS_FOR", "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "OPTIONS", "detect", "config_candidates",
@@ -52,19 +54,19 @@ _NOT_MODEL = {"optimizer", "optim", "optimizers", "optimizer_state", "lr_schedul
               "dataloader", "train_state", "rng", "rng_state", "extra_state", "step", "epoch"}
 
 
-def _layout(name):
+def _layout(name: Any) -> str:
     if type(name) is not str:
         raise CheckpointError(f"torch layout {short_repr(name)} is not a name")
     return name
 
 
-def _mem_format(value):
+def _mem_format(value: Any) -> int:
     if type(value) is not int:
         raise CheckpointError(f"memory format {short_repr(value)} is not a number")
     return value
 
 
-def _path(*parts):
+def _path(*parts: Any) -> str:
     # StorageMeta.checkpoint_id, a pathlib path: a string of atoms, never used for reading
     if len(parts) > 256 or not all(type(p) is str for p in parts):
         raise CheckpointError(f"path {short_repr(parts)} is not made of strings")
@@ -77,7 +79,7 @@ _RECORDS = {name: record_type(name) for name in (
 _META = {n: _RECORDS[n] for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
                                   "TensorProperties", "MetadataIndex", "StorageMeta")}
 # module -> name -> stand-in: what torch's own DCP writers pickle into .metadata (torch 2.2 -> 2.13).
-ALLOWED = {
+ALLOWED: Dict[str, Dict[str, Any]] = {
     "torch": dict(torch_files.TORCH_GLOBALS),
     "torch.serialization": {"_get_layout": _layout},
     "torch.distributed.checkpoint.metadata": {**_META, "_MEM_FORMAT_ENCODING": _mem_format},
@@ -93,6 +95,13 @@ ALLOWED = {
     "pathlib": {"PosixPath": _path, "PurePosixPath": _path, "WindowsPath": _path, "PureWindowsPath": _path,
                 "Path": _path},
 }
+
+
+Dims = Tuple[int, ...]
+# (fqn, chunk offsets) -> (data file name, byte offset, length): where .metadata stores each chunk's archive
+Storage = Dict[Tuple[str, Dims], Tuple[str, int, int]]
+# The piece holding the chunk at (offsets, sizes) of one tensor
+PieceOf = Callable[[Dims, Dims], Piece]
 
 
 class DcpTensor:
@@ -112,10 +121,12 @@ def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
     return [d for d in (path, find_dcp_dir(path), os.path.dirname(os.path.abspath(path))) if d]
 
 
-def plan(ctx) -> ExportPlan:
+def plan(ctx: PlanContext) -> ExportPlan:
     """The registry's entry point (``ctx``: a :class:`~.protocol.PlanContext`): :func:`plan_dcp_dir` of
     the DCP directory ``ctx.path`` is or holds."""
-    return plan_dcp_dir(find_dcp_dir(ctx.path), config_dir=ctx.config_dir, source=os.path.abspath(ctx.path))
+    dcp_dir = find_dcp_dir(ctx.path)
+    assert dcp_dir is not None, "plan() of a path detect() did not claim"  # the registry asks detect() first
+    return plan_dcp_dir(dcp_dir, config_dir=ctx.config_dir, source=os.path.abspath(ctx.path))
 
 
 def find_dcp_dir(src: str) -> Optional[str]:
@@ -129,7 +140,7 @@ def find_dcp_dir(src: str) -> Optional[str]:
     return None
 
 
-def _is_pickle(path):
+def _is_pickle(path: str) -> bool:
     try:
         with guards.open_regular(path, what="the DCP metadata") as fh:  # a FIFO refuses, never hangs
             return fh.read(1) == b"\x80"  # PROTO: torch pickles .metadata; the HF writer's is JSON
@@ -137,14 +148,14 @@ def _is_pickle(path):
         return False
 
 
-def _record(value, kind, where, what) -> Record:
+def _record(value: Any, kind: str, where: str, what: str) -> Record:
     if not isinstance(value, Record) or value.kind != kind:
         raise LayoutError(f"{where}: {what} is {short_repr(value)}, not a {kind}; the checkpoint is corrupt or "
                           "crafted, or written by a torch release hf-ckpt does not know: please report it")
     return value
 
 
-def read_metadata(dcp_dir: str):
+def read_metadata(dcp_dir: str) -> Tuple[Dict[str, DcpTensor], Storage, Dict[str, Tuple[str, ...]]]:
     """``(tensors, storage, paths)`` of ``dcp_dir/.metadata``: ``{fqn: DcpTensor}`` (non-tensor entries
     left out), ``{(fqn, offsets): (file name, offset, length)}`` and ``{fqn: path in the nested state
     dict}``. Every value is checked; anything else is a :class:`LayoutError` naming the file."""
@@ -176,8 +187,9 @@ def read_metadata(dcp_dir: str):
             placed.append((guards.dims(c.field("offsets"), "chunk offsets", where),
                            guards.dims(c.field("sizes"), "chunk sizes", where)))
         tensors[fqn] = DcpTensor(dtype, size, placed)
-    storage = {}
-    spans = []  # (file, start, end, fqn, offsets) of every storage entry: distinct chunks never share bytes
+    storage: Storage = {}
+    # (file, start, end, fqn, offsets) of every storage entry: distinct chunks never share bytes
+    spans: List[Tuple[str, int, int, str, Any]] = []
     sdata = md.field("storage_data")
     if type(sdata) is not dict:
         raise LayoutError(f"{where}: no storage_data (written by a storage writer other than FileSystemWriter?); "
@@ -206,7 +218,7 @@ def read_metadata(dcp_dir: str):
                             where))] = (rel, off, length)
     _check_disjoint(dcp_dir, spans, where)
     planner = md.field("planner_data")
-    paths = {}
+    paths: Dict[str, Tuple[str, ...]] = {}
     for fqn in tensors:
         path = planner.get(fqn) if type(planner) is dict else None
         if type(path) not in (tuple, list) or not path or not all(type(p) in (str, int) for p in path):
@@ -215,7 +227,7 @@ def read_metadata(dcp_dir: str):
     return tensors, storage, paths
 
 
-def _check_disjoint(dcp_dir, spans, where) -> None:
+def _check_disjoint(dcp_dir: str, spans: List[Tuple[str, int, int, str, Any]], where: str) -> None:
     """Refuse storage entries whose byte ranges overlap in one file: FileSystemWriter writes every
     chunk as its own archive, so two entries sharing bytes would export one chunk's values as the
     other's (a sort, then neighbours: N log N)."""
@@ -296,7 +308,7 @@ def model_names(paths: Dict[str, Tuple[str, ...]]) -> Dict[str, str]:
     return {fqn: ".".join(p) for fqn, p in paths.items() if p[0] not in _NOT_MODEL}
 
 
-def _chunks(name, t: DcpTensor, where, piece_of) -> List[Chunk]:
+def _chunks(name: str, t: DcpTensor, where: str, piece_of: PieceOf) -> List[Chunk]:
     """The non-empty chunks of ``t`` (an empty last shard holds nothing), each holding the piece
     ``piece_of(offsets, sizes)`` gives, after checking they tile the tensor exactly once (refused
     naming ``.metadata`` otherwise: missing, overlapping or uncovered chunks)."""
@@ -314,7 +326,8 @@ def _chunks(name, t: DcpTensor, where, piece_of) -> List[Chunk]:
     return [Chunk((piece_of(c.offsets, c.sizes),), c.offsets, c.sizes) for c in boxes]
 
 
-def _chunk_piece(dcp_dir, name, fqn, dtype, off, sz, storage, where) -> Piece:
+def _chunk_piece(dcp_dir: str, name: str, fqn: str, dtype: str, off: Dims, sz: Dims, storage: Storage,
+                 where: str) -> Piece:
     entry = storage.get((fqn, off))
     if entry is None:
         raise LayoutError(f"{where}: no storage entry for the chunk of {name} at offsets {list(off)}; the metadata "
@@ -336,6 +349,7 @@ def _chunk_piece(dcp_dir, name, fqn, dtype, off, sz, storage, where) -> Piece:
 def plan_dcp_dir(dcp_dir: str, *, config_dir: Optional[str] = None, source: Optional[str] = None) -> ExportPlan:
     """Plan the export of the model weights of the DCP checkpoint ``dcp_dir`` (see the module docstring)."""
     dcp_dir = os.path.abspath(dcp_dir)
+    entries: List[Tuple[str, DcpTensor, PieceOf]]
     if _hf_writer_files(dcp_dir):
         where, entries, skipped, writer = dcp_dir, _hf_writer_entries(dcp_dir), 0, "HuggingFaceStorageWriter"
     else:
@@ -346,12 +360,12 @@ def plan_dcp_dir(dcp_dir: str, *, config_dir: Optional[str] = None, source: Opti
             raise CheckpointError(f"{where}: holds no model tensors (only "
                                   f"{', '.join(sorted({p[0] for p in paths.values()}))[:200]}); pass the model's DCP "
                                   "checkpoint directory")
-        entries = [(name, tensors[fqn], lambda off, sz, fqn=fqn, name=name: _chunk_piece(
-            dcp_dir, name, fqn, tensors[fqn].dtype, off, sz, storage, where)) for fqn, name in names.items()]
+        entries = [(name, tensors[fqn], partial(_chunk_piece, dcp_dir, name, fqn, tensors[fqn].dtype,
+                                                storage=storage, where=where)) for fqn, name in names.items()]
         skipped = len(tensors) - len(names)
     out: List[TensorPlan] = []
     chunk_counts: Dict[int, int] = {}
-    split_dims = set()
+    split_dims: Set[int] = set()
     for name, t, piece_of in entries:
         chunks = _chunks(name, t, where, piece_of)
         chunk_counts[len(chunks)] = chunk_counts.get(len(chunks), 0) + 1
@@ -396,7 +410,12 @@ def _hf_writer_files(path: str) -> List[str]:
     return []
 
 
-def _hf_writer_entries(dcp_dir: str):
+def _piece_at(pieces: Mapping[Tuple[Dims, Dims], Piece], off: Dims, sz: Dims) -> Piece:
+    """The piece of the chunk at (``off``, ``sz``) among ``pieces``."""
+    return pieces[(tuple(off), tuple(sz))]
+
+
+def _hf_writer_entries(dcp_dir: str) -> List[Tuple[str, DcpTensor, PieceOf]]:
     """``[(name, DcpTensor, piece_of)]`` of the safetensors files HuggingFaceStorageWriter wrote: each
     tensor of each file is a chunk at the offsets its ``DCP_SHARDING_INFO`` records (0 without it);
     a tensor's size is where its chunks end."""
@@ -407,7 +426,7 @@ def _hf_writer_entries(dcp_dir: str):
     for fname in _hf_writer_files(dcp_dir):
         f = os.path.join(dcp_dir, fname)
         header = read_header(f, check_loader=False)
-        info = header.metadata.get(_SHARDING_KEY) if isinstance(header.metadata, dict) else None
+        info: Any = header.metadata.get(_SHARDING_KEY) if isinstance(header.metadata, dict) else None
         try:
             info = json.loads(info) if info is not None else {}
         except ValueError:
@@ -425,7 +444,7 @@ def _hf_writer_entries(dcp_dir: str):
                                   "files belong to different saves: copy the checkpoint again")
             dtypes[name] = e.dtype
             placed.setdefault(name, []).append((off, e.shape, Piece(f, e.offset, math.prod(e.shape), e.dtype)))
-    entries = []
+    entries: List[Tuple[str, DcpTensor, PieceOf]] = []
     for name, chunks in placed.items():
         if name.split(".")[0] in _NOT_MODEL:
             continue
@@ -436,7 +455,7 @@ def _hf_writer_entries(dcp_dir: str):
         size = tuple(max(o[d] + s[d] for o, s, _ in chunks) for d in range(ndim.pop()))
         pieces = {(tuple(o), tuple(s)): p for o, s, p in chunks}
         t = DcpTensor(dtypes[name], size, [(tuple(o), tuple(s)) for o, s, _ in chunks])
-        entries.append((name, t, lambda off, sz, pieces=pieces: pieces[(tuple(off), tuple(sz))]))
+        entries.append((name, t, partial(_piece_at, pieces)))
     if not entries:
         raise CheckpointError(f"{dcp_dir}: its safetensors files hold no model tensors; pass the model's checkpoint "
                               "directory")

@@ -9,11 +9,14 @@ Hub-layout answer is (:mod:`.answer_cache`): an export of every ``checkpoint-N``
 run builds the model once.
 """
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 from ..dtype_rule import KeepFp32, keep_fp32_of_model, match_style
 from ..formats.config import transformers_major
 from ..convert.answer_cache import cache_key, read_answer, write_answer
+
+if TYPE_CHECKING:
+    from ..plan import ExportPlan
 
 __all__ = ["keep_fp32_of_config", "keep_for_plan"]
 
@@ -42,7 +45,7 @@ def keep_fp32_of_config(config_dir: Optional[str], cfg: Optional[dict] = None) -
                     entry["model_class"])
 
 
-def keep_for_plan(plan, dtype: Optional[str], config: Optional[Callable[[], dict]] = None, *,
+def keep_for_plan(plan: "ExportPlan", dtype: Optional[str], config: Optional[Callable[[], dict]] = None, *,
                   always: bool = False) -> Optional[KeepFp32]:
     """The lists an export of ``plan`` in ``dtype`` needs: those already on the plan, else, when a
     load in ``dtype`` keeps any module in fp32 (bf16/fp16) — or ``always`` (what ``inspect`` shows
@@ -54,7 +57,7 @@ def keep_for_plan(plan, dtype: Optional[str], config: Optional[Callable[[], dict
 
     if plan.keep_fp32 is not None or plan.adapter is not None or (
             not always and from_user(dtype) not in ("F16", "BF16")):
-        return plan.keep_fp32
+        return cast(Optional[KeepFp32], plan.keep_fp32)  # the plan types it loosely (object): it holds a KeepFp32
     return keep_fp32_of_config(plan.config_dir, config() if config is not None and plan.config_dir else None)
 
 
@@ -71,7 +74,7 @@ def _derive(config_dir: str, cfg: dict) -> dict:
     return {"model_class": keep.model_class, "modules": list(keep.modules), "strict": list(keep.strict)}
 
 
-def _valid(entry) -> Optional[dict]:
+def _valid(entry: Any) -> Optional[dict]:
     """A cache entry exactly as :func:`_derive` writes it, else None (derived again)."""
     ok = (isinstance(entry, dict) and set(entry) == {"model_class", "modules", "strict"}
           and (entry["model_class"] is None or isinstance(entry["model_class"], str))

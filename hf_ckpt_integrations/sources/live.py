@@ -48,17 +48,25 @@ bytes to the host; the others take part in the collective and keep nothing.
 
 import contextlib
 import math
-from typing import List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..dtype_rule import keep_fp32_of_model
 from ..formats.dtypes import FLOATS, from_torch, to_torch
 from ..plan import ExportPlan, LivePiece, TensorPlan
 from ..convert.passes import finish_plan
 
+if TYPE_CHECKING:
+    import torch
+
+    from ..comm import Traffic
+
+# read(lo, hi, writer, dtype): the bytes of elements [lo, hi) in ``dtype`` on rank ``writer`` (LivePiece.read)
+Read = Callable[[int, int, Optional[int], str], Iterator[memoryview]]
+
 __all__ = ["live_tensors", "reads_are_collective", "own_bytes"]
 
 
-def own_bytes(t, cast):
+def own_bytes(t: "torch.Tensor", cast: Optional["torch.dtype"]) -> memoryview:
     """``t``'s own bytes (a view of a larger storage yields only its elements), as a memoryview: the
     one host read of a live tensor, made only on the rank that writes it."""
     import torch
@@ -81,7 +89,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _writes(writer) -> bool:
+def _writes(writer: Optional[int]) -> bool:
     """Whether this rank yields a read's bytes: the writing rank only (every rank without an assignment)."""
     return writer is None or writer == _rank()
 
@@ -92,20 +100,20 @@ class _Reads:
     gathered tensor kept for the slices still to read from it (a fused MoE tensor is gathered once,
     not once per expert: at most one full tensor held)."""
 
-    def __init__(self):
-        self._traffic = None
-        self.left = {}  # source name -> reads still to come
-        self.held = None  # (source name, gathered tensor)
+    def __init__(self) -> None:
+        self._traffic: Optional["Traffic"] = None
+        self.left: Dict[str, int] = {}  # source name -> reads still to come
+        self.held: Optional[Tuple[str, "torch.Tensor"]] = None  # (source name, gathered tensor)
 
     @property
-    def traffic(self):
+    def traffic(self) -> "Traffic":
         if self._traffic is None:
             from ..comm import Traffic
 
             self._traffic = Traffic()
         return self._traffic
 
-    def gathered(self, src, gather):
+    def gathered(self, src: str, gather: Callable[[], "torch.Tensor"]) -> "torch.Tensor":
         """``gather()`` for source ``src``, once for all its reads (the holder drops it after the last)."""
         if self.held is None or self.held[0] != src:
             self.held = None  # free the previous one before gathering the next
@@ -117,23 +125,23 @@ class _Reads:
         return full
 
 
-def reads_are_collective(module) -> bool:
+def reads_are_collective(module: "torch.nn.Module") -> bool:
     """True when reading a parameter is a collective (ZeRO-3 partitions, AutoTP slices, FSDP2 DTensors)."""
     return any((hasattr(p, "ds_id") and hasattr(p, "ds_shape")) or getattr(p, "ds_is_replaced_module", False)
                or _is_dtensor(p) for p in module.state_dict(keep_vars=True).values() if p is not None)
 
 
-def _is_dtensor(t) -> bool:
+def _is_dtensor(t: Any) -> bool:
     return type(t).__name__ == "DTensor" or (hasattr(t, "full_tensor") and hasattr(t, "placements"))
 
 
-def _cast(dtype: str):
+def _cast(dtype: str) -> Optional["torch.dtype"]:
     """The torch dtype a read casts floating tensors to (``dtype``: the tensor's output dtype)."""
     return to_torch(dtype) if dtype in FLOATS else None
 
 
-def _dtensor_reader(src, t, reads):
-    def gather():
+def _dtensor_reader(src: str, t: "torch.Tensor", reads: _Reads) -> Read:
+    def gather() -> "torch.Tensor":
         # A CPU-offloaded shard (FSDP2 CPUOffloadPolicy) goes to the mesh's device first, as torch DCP
         # does; an error there (out of memory) is agreed on before the all-gather.
         traffic = reads.traffic
@@ -145,7 +153,7 @@ def _dtensor_reader(src, t, reads):
         traffic.agree(error)
         return staged.full_tensor()  # collective on t's mesh: every rank walks the same tensors in order
 
-    def read(lo, hi, writer, dtype):
+    def read(lo: int, hi: int, writer: Optional[int], dtype: str) -> Iterator[memoryview]:
         full = reads.gathered(src, gather)
         if _writes(writer):
             yield own_bytes(_flat(full)[lo:hi], _cast(dtype))
@@ -153,7 +161,7 @@ def _dtensor_reader(src, t, reads):
     return read
 
 
-def _on_mesh_device(t):
+def _on_mesh_device(t: "torch.Tensor") -> "torch.Tensor":
     """DTensor ``t`` with its local shard on its mesh's device (a copy when it is elsewhere)."""
     local = t.to_local()
     kind = t.device_mesh.device_type
@@ -171,7 +179,8 @@ def _on_mesh_device(t):
                               run_check=False)
 
 
-def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> ExportPlan:
+def live_tensors(module: "torch.nn.Module", *, dtype: Optional[str] = None,
+                 select: Optional[Callable[[str], Optional[str]]] = None) -> ExportPlan:
     """The plan of ``module`` (unwrapped: the ``nn.Module``, not the DeepSpeed engine): its tensors
     under the names and splits ``save_pretrained`` writes (:mod:`.hub_layout`: transformers 5's
     fused MoE experts become one tensor per expert, each a slice of the fused parameter).
@@ -193,12 +202,13 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> ExportP
         state = {n: t for n, t in state.items() if select(n) is not None}
     owners = dict(module.named_modules())
     reads = _Reads()
-    seen = {}
+    seen: Dict[Tuple[str, int], str] = {}
     # Point-to-point sends of ZeRO-3 partitions to the writing rank, except under AutoTP (its
     # parameters' groups are not the writer's: broadcast there).
     p2p = not any(getattr(p, "ds_is_replaced_module", False) for p in module.parameters())
-    aliases = {}  # tied name -> the name written
-    sources = {}  # name -> (shape, stored dtype, read(lo, hi, writer, dtype) -> chunks)
+    aliases: Dict[str, str] = {}  # tied name -> the name written
+    # name -> (shape, stored dtype, read(lo, hi, writer, dtype) -> chunks)
+    sources: Dict[str, Tuple[Tuple[int, ...], str, Read]] = {}
     for name, t in state.items():
         if t is None:
             continue
@@ -219,8 +229,9 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> ExportP
             shape, read = tuple(t.shape), _local_reader(t)
         sources[name] = (shape, from_torch(t.dtype), read)
 
-    if select is not None:
-        layout = [(select(n), n, s[0], 0) for n, s in sources.items()]
+    layout: List[Tuple[str, str, Tuple[int, ...], int]]
+    if select is not None:  # (``state`` holds only names select() maps to one)
+        layout = [(out_name, n, s[0], 0) for n, s in sources.items() if (out_name := select(n)) is not None]
     else:
         from ..convert.hub_layout import live_layout
 
@@ -237,19 +248,19 @@ def live_tensors(module, *, dtype: Optional[str] = None, select=None) -> ExportP
     return finish_plan(plan, dtype, keep)
 
 
-def _local_reader(t):
-    def read(lo, hi, writer, dtype):
+def _local_reader(t: "torch.Tensor") -> Read:
+    def read(lo: int, hi: int, writer: Optional[int], dtype: str) -> Iterator[memoryview]:
         if _writes(writer):  # other ranks move nothing to the host
             yield own_bytes(_flat(t)[lo:hi], _cast(dtype))
     return read
 
 
-def _flat(t):
+def _flat(t: "torch.Tensor") -> "torch.Tensor":
     return t.detach().reshape(-1)
 
 
-def _zero3_reader(param, p2p, reads):
-    def read(lo, hi, writer, dtype):
+def _zero3_reader(param: "torch.Tensor", p2p: bool, reads: _Reads) -> Read:
+    def read(lo: int, hi: int, writer: Optional[int], dtype: str) -> Iterator[memoryview]:
         cast = _cast(dtype)
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -275,7 +286,7 @@ def _zero3_reader(param, p2p, reads):
     return read
 
 
-def _streamable(param) -> bool:
+def _streamable(param: "torch.Tensor") -> bool:
     """Whether ``param``'s partition is a plain 1-D tensor in memory that :func:`_partitions` can send."""
     import torch.distributed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -286,7 +297,7 @@ def _streamable(param) -> bool:
             and part.numel() * torch.distributed.get_world_size(group=param.ds_process_group) >= param.ds_numel)
 
 
-def _owners(param, lo, hi):
+def _owners(param: "torch.Tensor", lo: int, hi: int) -> Tuple[int, List[int]]:
     """``(n, owners)``: the partition size and the group ranks whose partitions overlap ``[lo, hi)``."""
     import torch.distributed as dist
 
@@ -295,7 +306,8 @@ def _owners(param, lo, hi):
     return n, [r for r in range(dist.get_world_size(group=param.ds_process_group)) if r * n < hi and (r + 1) * n > lo]
 
 
-def _partitions(param, cast, lo, hi, writer, traffic):
+def _partitions(param: "torch.Tensor", cast: Optional["torch.dtype"], lo: int, hi: int, writer: Optional[int],
+                traffic: "Traffic") -> Iterator[memoryview]:
     """Elements ``[lo, hi)`` of ``param``'s flat bytes, one ZeRO-3 partition at a time, each
     broadcast from the rank that owns it, yielded on rank ``writer`` (every rank when None).
 
@@ -323,16 +335,18 @@ def _partitions(param, cast, lo, hi, writer, traffic):
         error = e
     traffic.agree(error)
 
-    def start(i):
+    def start(i: int) -> Tuple["torch.Tensor", Any]:  # (the buffer, its broadcast's work handle)
         # As bytes: any dtype travels (gloo has no bf16 broadcast on every build).
         r = owners[i]
         t = mine if r == me else buffers[i % 2]
+        assert t is not None  # r == me: this rank staged its partition above (or agree() raised)
         work = dist.broadcast(t.view(torch.uint8), src=dist.get_global_rank(group, r), group=group, async_op=True)
         return t, work
 
     nxt = start(0) if owners else None
     failure = None
     for i, r in enumerate(owners):
+        assert nxt is not None  # started before the loop (owners is not empty) and for each next one
         t, work = nxt
         work.wait()
         # The buffer of partition i+1 is the one of i-1, written already: receive into it now.
@@ -347,7 +361,7 @@ def _partitions(param, cast, lo, hi, writer, traffic):
         raise failure
 
 
-def _in_group(group, rank) -> bool:
+def _in_group(group: Any, rank: int) -> bool:  # group: a torch ProcessGroup
     import torch.distributed as dist
 
     try:
@@ -356,7 +370,8 @@ def _in_group(group, rank) -> bool:
         return False
 
 
-def _partitions_to(param, cast, lo, hi, writer, traffic):
+def _partitions_to(param: "torch.Tensor", cast: Optional["torch.dtype"], lo: int, hi: int, writer: int,
+                   traffic: "Traffic") -> Iterator[memoryview]:
     """Elements ``[lo, hi)`` of ``param``'s flat bytes on rank ``writer`` (a global rank), each
     overlapping ZeRO-3 partition sent point to point by its owner: only the writing rank receives
     (the traffic of a broadcast divided by the world size). On every other rank this yields
@@ -375,7 +390,7 @@ def _partitions_to(param, cast, lo, hi, writer, traffic):
     n, owners = _owners(param, lo, hi)
     hi = min(hi, param.ds_numel)
 
-    def span(r):
+    def span(r: int) -> Tuple[int, int]:
         return max(lo, r * n) - r * n, min(hi, (r + 1) * n) - r * n
 
     error, mine, buffers = None, None, []
@@ -395,7 +410,7 @@ def _partitions_to(param, cast, lo, hi, writer, traffic):
             traffic.exchange([(dist.isend, mine.contiguous().view(torch.uint8), writer)])
         return
 
-    def start(i):
+    def start(i: int) -> Tuple[Optional["torch.Tensor"], Optional[List[Any]]]:  # (the slice, its receive's works)
         r = owners[i]
         if r == me:
             return mine, None
@@ -407,7 +422,9 @@ def _partitions_to(param, cast, lo, hi, writer, traffic):
     nxt = start(0) if owners else None
     failure = None
     for i in range(len(owners)):
+        assert nxt is not None  # started before the loop (owners is not empty) and for each next one
         t, works = nxt
+        assert t is not None  # this rank's own slice was staged above, as an owner (or agree() raised)
         for work in works or ():
             work.wait()
         nxt = start(i + 1) if i + 1 < len(owners) else None
@@ -420,7 +437,7 @@ def _partitions_to(param, cast, lo, hi, writer, traffic):
         raise failure
 
 
-def _autotp_full_shape(name, param, owner):
+def _autotp_full_shape(name: str, param: "torch.Tensor", owner: Optional["torch.nn.Module"]) -> Tuple[int, ...]:
     """The shape before AutoTP split ``param`` (recorded by the replaced layer)."""
     for attr, shape_attr in (("weight", "_orig_weight_shape"), ("bias", "_orig_bias_shape")):
         if owner is not None and getattr(owner, attr, None) is param and getattr(owner, shape_attr, None):
@@ -429,12 +446,14 @@ def _autotp_full_shape(name, param, owner):
                      "parameter; save it with engine.save_checkpoint and export offline (hf-ckpt export)")
 
 
-def _autotp_reader(name, param, owner, reads):
+def _autotp_reader(name: str, param: "torch.Tensor", owner: Optional["torch.nn.Module"],
+                   reads: _Reads) -> Tuple[Tuple[int, ...], Read]:
     full_shape = _autotp_full_shape(name, param, owner)
+    assert owner is not None  # _autotp_full_shape found the shape on it (it raises otherwise)
     zero3 = hasattr(param, "ds_id")
 
     @contextlib.contextmanager
-    def gathered():
+    def gathered() -> Iterator["torch.Tensor"]:
         import deepspeed
 
         own = list(owner.parameters(recurse=False))  # the layer gathers its parameters together
@@ -449,12 +468,12 @@ def _autotp_reader(name, param, owner, reads):
                 for p, data in zip(own, saved):
                     p.data = data
 
-    def gather():
+    def gather() -> "torch.Tensor":
         reads.traffic.agree(None)  # the layer's own all-gather below: no rank may have failed before it
         with gathered() as full:
             return full
 
-    def read(lo, hi, writer, dtype):
+    def read(lo: int, hi: int, writer: Optional[int], dtype: str) -> Iterator[memoryview]:
         full = reads.gathered(name, gather)  # a fused MoE tensor: gathered once for all its slices
         if _writes(writer):
             yield own_bytes(_flat(full)[lo:hi], _cast(dtype))

@@ -18,9 +18,13 @@ broadcasts the plan):
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple,
+                    runtime_checkable)
 
 from ..errors import OptionError
+
+if TYPE_CHECKING:
+    from ..plan import ExportPlan
 
 __all__ = ["SourceOption", "PlanContext", "Source", "SourceBase", "hook", "SourceProtocolError", "check_source",
            "parse_options", "tie_word_embeddings"]
@@ -53,16 +57,25 @@ class Source(Protocol):
     pickle) and answer on any path: a missing one, an empty directory or a file claims nothing
     (tests/sources/test_source_conformance.py runs every registered source through that)."""
 
-    NAME: str  # the engine name plans carry
-    LOOKS_FOR: str  # what it recognises, in words (listed when no source claims a path)
-    MEMORY_NAMES: bool  # its names are the model's in-memory ones: tied-weight and Hub-layout passes apply
-    OPTIONS: Tuple[SourceOption, ...]  # the options it takes
+    # Read-only members (properties here, plain module constants in a source): a module's ``OPTIONS = ()``
+    # is then a ``Tuple[SourceOption, ...]`` to the type checker.
+    @property
+    def NAME(self) -> str: ...  # the engine name plans carry
+
+    @property
+    def LOOKS_FOR(self) -> str: ...  # what it recognises, in words (listed when no source claims a path)
+
+    @property
+    def MEMORY_NAMES(self) -> bool: ...  # its names are the model's in-memory ones: tied/Hub-layout passes apply
+
+    @property
+    def OPTIONS(self) -> Tuple[SourceOption, ...]: ...  # the options it takes
 
     def detect(self, path: str, tag: Optional[str]) -> bool: ...
 
     def config_candidates(self, path: str, tag: Optional[str]) -> List[str]: ...
 
-    def plan(self, ctx: "PlanContext"): ...
+    def plan(self, ctx: "PlanContext") -> "ExportPlan": ...
 
 
 class SourceBase:
@@ -113,7 +126,7 @@ _HOOKS = ("ALLOWED", "TIED_UNDER_BOTH_NAMES", "YIELDS_TO", "UNIVERSAL", "holds_c
           "check_integrity")
 
 
-def hook(source, name: str) -> Any:
+def hook(source: object, name: str) -> Any:
     """``source``'s own ``name`` (an optional hook or attribute of :class:`SourceBase`), else its default."""
     if name not in _HOOKS:
         raise AttributeError(f"{name!r} is not an optional source hook (one of {', '.join(_HOOKS)})")
@@ -125,7 +138,7 @@ class SourceProtocolError(TypeError):
     or in an extension, never bad input)."""
 
 
-def _positional_arity(fn) -> Optional[Tuple[int, int]]:
+def _positional_arity(fn: Callable[..., Any]) -> Optional[Tuple[int, int]]:
     """(required, most) positional arguments ``fn`` takes; None when it cannot be inspected."""
     try:
         params = inspect.signature(fn).parameters.values()
@@ -140,7 +153,7 @@ def _positional_arity(fn) -> Optional[Tuple[int, int]]:
     return required, len(positional)
 
 
-def check_source(source, registered: Sequence = (), everyone: Sequence = ()) -> None:
+def check_source(source: Any, registered: Sequence[object] = (), everyone: Sequence[object] = ()) -> None:
     """Raise :class:`SourceProtocolError` saying what is missing or wrong unless ``source`` follows
     :class:`Source`. ``registered``: the sources accepted before it (names must be unique);
     ``everyone``: all the sources being registered (``YIELDS_TO`` must name one of them)."""
@@ -182,7 +195,7 @@ def check_source(source, registered: Sequence = (), everyone: Sequence = ()) -> 
             shown = ("(path, tag)" if want == 2 else "(ctx: PlanContext)" if attr.endswith("plan") else
                      "(path)" if attr == "holds_checkpoint" else "(tag_dir)" if attr == "universal_files" else "(ranges)")
             problems.append(f"{attr}() must be callable as {attr}{shown}")
-    plan_fn = getattr(source, "plan", None)
+    plan_fn: Any = getattr(source, "plan", None)  # inspected: a missing one is reported above
     try:
         keywords = [p.name for p in inspect.signature(plan_fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
     except (TypeError, ValueError):
@@ -237,13 +250,13 @@ class PlanContext:
     config_dir: Optional[str] = None
     _config: Optional[dict] = field(default=None, repr=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # One place refuses an unknown dtype (OptionError), before any source reads a file.
         from ..formats.dtypes import from_user
 
         from_user(self.dtype)
 
-    def option(self, name: str, default=None):
+    def option(self, name: str, default: Any = None) -> Any:
         """The value of option ``name`` (``default`` when the source declared no such option)."""
         return self.options.get(name, default)
 
@@ -259,7 +272,7 @@ class PlanContext:
         return self._config
 
     @property
-    def tie_word_embeddings(self):
+    def tie_word_embeddings(self) -> Any:
         """The config's ``tie_word_embeddings`` (:func:`tie_word_embeddings`)."""
         return tie_word_embeddings(self.config)
 
@@ -268,7 +281,7 @@ class PlanContext:
 _TEXT_CONFIG_NAMES = ("decoder", "generator", "text_config")
 
 
-def tie_word_embeddings(cfg: Mapping[str, Any]):
+def tie_word_embeddings(cfg: Mapping[str, Any]) -> Any:
     """``tie_word_embeddings`` of a config.json dict, as recorded (the callers decide what a value
     other than True/False means), read as transformers reads it: the value at top level when the
     file records one (transformers 5 keeps it there, forwarding a pre-5 value from

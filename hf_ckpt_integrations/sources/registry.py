@@ -33,16 +33,16 @@ from ..convert.passes import drop_tied_aliases, find_config_dir, finish_plan, ti
 from . import dcp, deepspeed, fsdp_rank_files, hf_dir, megatron, peft, universal
 from .deepspeed import pipeline as deepspeed_pipeline
 from .fp32_modules import keep_for_plan
-from .protocol import PlanContext, SourceOption, check_source, hook, parse_options
+from .protocol import PlanContext, Source, SourceOption, check_source, hook, parse_options
 
 __all__ = ["SOURCES", "register", "find_source", "engine_checkpoint", "declared_options", "check_options",
            "plan_with", "integrity_problems", "is_universal_dir"]
 
 
-def register(*sources) -> tuple:
+def register(*sources: Source) -> Tuple[Source, ...]:
     """``sources``, in order, each checked against the protocol
     (:class:`~.protocol.SourceProtocolError` naming the module and what it lacks)."""
-    accepted = []
+    accepted: List[Source] = []
     for source in sources:
         check_source(source, accepted, everyone=sources)
         accepted.append(source)
@@ -61,7 +61,7 @@ SOURCES = register(
 )
 
 
-def _claims(source, path: str, tag: Optional[str]) -> bool:
+def _claims(source: Source, path: str, tag: Optional[str]) -> bool:
     """``source`` detects ``path`` and no source it yields to holds a complete checkpoint there."""
     if not source.detect(path, tag):
         return False
@@ -69,7 +69,7 @@ def _claims(source, path: str, tag: Optional[str]) -> bool:
     return not any(s.NAME in yields and hook(s, "holds_checkpoint")(path) for s in SOURCES)
 
 
-def find_source(path: str, tag: Optional[str] = None):
+def find_source(path: str, tag: Optional[str] = None) -> Source:
     """The first source of :data:`SOURCES` that claims ``path``; :class:`~..errors.CheckpointError`
     listing what was looked for when none does."""
     for source in SOURCES:
@@ -143,7 +143,7 @@ def check_options(options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
                          declared_options())
 
 
-def plan_with(source, path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None,
+def plan_with(source: Source, path: str, *, tag: Optional[str] = None, dtype: Optional[str] = None,
               config: Optional[str] = None, options: Optional[Mapping[str, Any]] = None,
               layout_cache: bool = True, keep_fp32_lists: bool = False, peft_base: bool = False) -> ExportPlan:
     """``source``'s plan of ``path`` with the shared passes applied (see the module doc).

@@ -7,7 +7,7 @@ files copied from the original save (parameter order, buffers, tied parameters).
 """
 
 import os
-from typing import List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 from .. import guards
 from ..errors import CheckpointError, LayoutError
@@ -52,7 +52,7 @@ def config_candidates(path: str, tag: Optional[str] = None) -> List[str]:
     return [d, os.path.dirname(d), os.path.dirname(os.path.dirname(d))]
 
 
-def _recorded_parameters(meta) -> List[str]:
+def _recorded_parameters(meta: Mapping[str, Any]) -> List[str]:
     """The parameter names the model states record (``param_shapes``: one mapping per parameter group,
     or one mapping; ``frozen_param_shapes``), in order; [] when it records none."""
     groups = meta.get("param_shapes")
@@ -62,7 +62,7 @@ def _recorded_parameters(meta) -> List[str]:
     return [str(n) for g in groups if isinstance(g, dict) for n in g]
 
 
-def _check_every_parameter(meta, names, zero) -> None:
+def _check_every_parameter(meta: Mapping[str, Any], names: List[str], zero: str) -> None:
     """Every parameter the model states record has its ``zero/<name>/fp32.pt``: one missing (or not a
     regular file) would be left out of the export silently when no config lists the model's tensors."""
     have = set(names)
@@ -76,7 +76,9 @@ def _check_every_parameter(meta, names, zero) -> None:
 def plan(ctx: PlanContext) -> ExportPlan:
     """Plan the export of the universal checkpoint at ``ctx.path`` (or ``path/tag``); the dtype does
     not apply (ds_to_universal merged the slices; the writer casts)."""
-    path = os.path.abspath(_resolve(ctx.path, ctx.tag))
+    resolved = _resolve(ctx.path, ctx.tag)
+    assert resolved is not None, "plan() of a path detect() did not claim"  # the registry asks detect() first
+    path = os.path.abspath(resolved)
     zero = os.path.join(path, "zero")
     names = sorted(n for n in os.listdir(zero) if os.path.isfile(os.path.join(zero, n, "fp32.pt")))
     # Each zero/<param>/ entry and the model states belong to this checkpoint: a link leading out of

@@ -16,7 +16,7 @@ model-parallel ranks merged). This module is the source the registry calls.
 
 import os
 from collections import OrderedDict
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ...errors import CheckpointError, LayoutError, short_repr
 from ...formats.torch_files import TensorRef
@@ -100,13 +100,14 @@ def universal_plan(ctx: PlanContext) -> ExportPlan:
     return plan(ctx)
 
 
-def universal_files(tag_dir: str):
+def universal_files(tag_dir: str) -> Tuple[Dict[int, Dict[int, RankFile]], Optional[str]]:
     """``(optim, first model-states path)`` of ``tag_dir`` (:func:`find_rank_files`), for the universal writer."""
     optim, models = find_rank_files(tag_dir)
     return optim, models[0].get(None) or models[0].get(0)
 
 
-def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_dtype):
+def plan_mp_rank(tag_dir: str, mp_rank: int, ranks: Dict[int, RankFile], model_files: Dict[Optional[int], str],
+                 out_dtype: Optional[str]) -> Tuple[ExportPlan, Optional[Dict[str, Any]]]:
     """The plan of one model-parallel rank ``mp_rank``, from its data-parallel ``ranks`` and its
     model-states files (:func:`.rank_files.find_rank_files`), and its ``universal_checkpoint_info``
     (None when not recorded): ``(ExportPlan, info)``."""
@@ -138,7 +139,7 @@ def plan_mp_rank(tag_dir, mp_rank, ranks: Dict[int, RankFile], model_files, out_
                               "saves are mixed: copy one save's tag directory again")
     if stage == 3:
         model_path = model_files.get(0)
-        if model_path is None or sorted(k for k in model_files) != list(range(dp)):
+        if model_path is None or sorted(-1 if k is None else k for k in model_files) != list(range(dp)):
             raise LayoutError(f"{tag_dir}: ZeRO-3 needs one zero_pp_rank_R_mp_rank_{mp_rank:02d}_model_states.pt "
                               f"per rank 0..{dp - 1}; found {sorted(str(k) for k in model_files)}")
     else:

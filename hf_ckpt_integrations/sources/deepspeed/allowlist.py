@@ -8,6 +8,8 @@ The client state a training loop saves beside them (GPT-NeoX's RNG states, Megat
 Nothing else is accepted.
 """
 
+from typing import Any
+
 from ...errors import CheckpointError, UnsafeCheckpointError, short_repr
 from ...formats import torch_files
 from ...formats.unpickler import Opaque, StandIn
@@ -19,19 +21,19 @@ class FragmentAddress(StandIn):
     """Stand-in for the dataclass ``deepspeed.utils.tensor_fragment.fragment_address``
     (pickled as an empty object, then its ``__dict__``)."""
 
-    def __init__(self, numel=None, start=None):
+    def __init__(self, numel: Any = None, start: Any = None):
         self.numel, self.start = numel, start
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: Any) -> None:
         if not isinstance(state, dict):
             raise UnsafeCheckpointError("fragment_address with unexpected state")
         self.numel, self.start = state.get("numel"), state.get("start")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"fragment_address(numel={self.numel}, start={self.start})"
 
 
-def _zero_stage(value):
+def _zero_stage(value: Any) -> int:
     if type(value) is not int:
         raise CheckpointError(f"ZeroStageEnum of {short_repr(value)}, not an integer")
     return value
@@ -46,7 +48,7 @@ ALLOWED = {
 }
 
 
-def load(path):
+def load(path: str) -> Any:
     """The object tree of a DeepSpeed rank file (or a universal checkpoint's), tensors as
     :class:`~...formats.torch_files.TensorRef` (see :func:`~...formats.torch_files.load`)."""
     return torch_files.load(path, allowed=ALLOWED)

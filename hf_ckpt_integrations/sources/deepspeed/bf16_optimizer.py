@@ -20,13 +20,14 @@ parameters by offset) with the shapes of the whole bf16 weights in ``module``. E
 placement is checked against the mappings and proven against the bf16 module weights.
 """
 
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ...errors import LayoutError, short_repr
 from ...formats.torch_files import TensorRef
 from ...plan import TensorPlan
 from . import partitions
-from .fields import fragment_address, meta_int, numel, recorded_shape, tensor_pieces
+from .fields import OptimFile, fragment_address, meta_int, numel, recorded_shape, tensor_pieces
+from .partitions import Fragment
 from .zero12 import module_copy, prove_places
 
 __all__ = ["is_bf16_optimizer_state", "bf16_fragments", "order_from_mappings", "plan_bf16_optimizer"]
@@ -34,12 +35,12 @@ __all__ = ["is_bf16_optimizer_state", "bf16_fragments", "order_from_mappings", "
 _KEYS = ("single_partition_of_fp32_groups", "partition_count", "param_slice_mappings")
 
 
-def is_bf16_optimizer_state(osd) -> bool:
+def is_bf16_optimizer_state(osd: Any) -> bool:
     """True for the ``optimizer_state_dict`` of a ``BF16_Optimizer`` (no ``zero_stage``, its own keys)."""
     return isinstance(osd, dict) and "zero_stage" not in osd and all(k in osd for k in _KEYS)
 
 
-def bf16_fragments(numels: Sequence[int], partition_numel: int, dp: int, padding: int):
+def bf16_fragments(numels: Sequence[int], partition_numel: int, dp: int, padding: int) -> List[List[Fragment]]:
     """Where each parameter of one group lives: ``[(rank, offset in the rank's partition, count)]``
     per parameter. Every saved partition holds ``partition_numel`` elements, the last ones of the
     last rank padding. Raises ``ValueError`` when the numbers do not fit together."""
@@ -63,22 +64,23 @@ def order_from_mappings(mappings: List[Dict[str, tuple]]) -> List[str]:
     return out
 
 
-def plan_bf16_optimizer(ranks, param_groups: Optional[list], model_path, tensors, module, what):
+def plan_bf16_optimizer(ranks: Mapping[int, OptimFile], param_groups: Optional[List[Dict[str, Any]]], model_path: str,
+                        tensors: Dict[str, TensorPlan], module: Mapping[str, Any], what: str) -> None:
     """Fill ``tensors`` with the fp32 masters of a ``BF16_Optimizer`` save. ``param_groups``: the
     model-states ``param_shapes`` (None when not recorded, at stage 0); ``module``: the model-states
     module state dict (the bf16 weights, whole); ``what``: the checkpoint as its files record it."""
     dp = len(ranks)
     groups = len(ranks[0].osd["single_partition_of_fp32_groups"])
-    for r in ranks.values():
-        osd = r.osd
+    for rank_file in ranks.values():
+        osd = rank_file.osd
         counts = osd["partition_count"] if isinstance(osd["partition_count"], list) else [osd["partition_count"]]
-        counts = [meta_int(c, r.path, "partition_count") for c in counts]
+        counts = [meta_int(c, rank_file.path, "partition_count") for c in counts]
         if any(c != dp for c in counts):
-            raise LayoutError(f"{r.path}: {what}: partition_count {counts} differs from the {dp} data-parallel rank "
-                              "files of this tag; parameter groups with their own data-parallel size (MoE expert "
+            raise LayoutError(f"{rank_file.path}: {what}: partition_count {counts} differs from the {dp} data-parallel "
+                              "rank files of this tag; parameter groups with their own data-parallel size (MoE expert "
                               "groups) are not supported for BF16_Optimizer saves yet")
         if len(osd["single_partition_of_fp32_groups"]) != groups or len(osd["param_slice_mappings"]) != groups:
-            raise LayoutError(f"{r.path}: {what}: records {len(osd['single_partition_of_fp32_groups'])} fp32 "
+            raise LayoutError(f"{rank_file.path}: {what}: records {len(osd['single_partition_of_fp32_groups'])} fp32 "
                               f"partitions and {len(osd['param_slice_mappings'])} mappings where rank 0 records "
                               f"{groups}; files from different saves are mixed: copy one save's tag directory again")
     if param_groups is not None and len(param_groups) != groups:

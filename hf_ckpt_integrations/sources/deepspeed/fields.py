@@ -5,17 +5,29 @@ than failing deep inside the planning; pieces are byte ranges of the tensors the
 """
 
 import math
+from typing import Any, Callable, Dict, Protocol, Sequence, Tuple
 
 from ...errors import CheckpointError, LayoutError, short_repr
 from ...formats.dtypes import MAX_NDIM
 from ...formats.torch_files import TensorRef
 from ...plan import Piece
 
-__all__ = ["require", "check_model_types", "check_optim_types", "meta_int", "recorded_shape", "numel",
+__all__ = ["OptimFile", "require", "check_model_types", "check_optim_types", "meta_int", "recorded_shape", "numel",
            "tensor_pieces", "fragment_address"]
 
 
-def require(obj, key, path, what):
+class OptimFile(Protocol):
+    """What the ZeRO-1/2 and BF16_Optimizer planners read of one optimizer partition file: its
+    ``path`` and its ``optimizer_state_dict`` (``osd``). :class:`~.rank_files.RankFile` is one; a pipeline
+    save's reader has its own."""
+
+    path: str
+
+    @property
+    def osd(self) -> Dict[str, Any]: ...
+
+
+def require(obj: Any, key: str, path: str, what: str) -> Any:
     if not isinstance(obj, dict) or key not in obj:
         raise CheckpointError(f"{path}: not a DeepSpeed {what} file (no {key!r}); "
                               "pass the directory of an engine.save_checkpoint() call")
@@ -23,18 +35,18 @@ def require(obj, key, path, what):
 
 
 
-def _typed(value, ok, path, key):
+def _typed(value: Any, ok: Callable[[Any], bool], path: str, key: str) -> None:
     if not ok(value):
         raise LayoutError(f"{path}: recorded {key} has an unexpected type ({type(value).__name__}: "
                           f"{short_repr(value)}); the file is corrupt or not written by DeepSpeed: "
                           "copy it again from the training run")
 
 
-def _str_dict(v):
+def _str_dict(v: Any) -> bool:
     return isinstance(v, dict) and all(type(k) is str for k in v)
 
 
-def check_model_types(model, path):
+def check_model_types(model: dict, path: str) -> None:
     """The model-states fields this source reads have the types DeepSpeed writes (a file from
     elsewhere, or a corrupt one, is refused by name rather than failing deep inside)."""
     _typed(model.get("param_shapes") or [], lambda v: isinstance(v, list) and all(_str_dict(g) for g in v), path,
@@ -47,7 +59,7 @@ def check_model_types(model, path):
            all(type(x) is str for x in v), path, "buffer_names")
 
 
-def check_optim_types(osd, path):
+def check_optim_types(osd: dict, path: str) -> None:
     """The same for the optimizer-state fields this source reads."""
     for key in ("single_partition_of_fp32_groups", "fp32_flat_groups", "group_paddings", "param_slice_mappings"):
         if key in osd:
@@ -58,7 +70,7 @@ def check_optim_types(osd, path):
         _typed(osd["param_slice_mappings"], lambda v: all(_str_dict(m) for m in v), path, "param_slice_mappings")
 
 
-def meta_int(value, path, key):
+def meta_int(value: Any, path: str, key: str) -> int:
     """A recorded integer (``zero_stage``, ``partition_count``...), or LayoutError naming the file."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
@@ -66,7 +78,7 @@ def meta_int(value, path, key):
                       "corrupt or not written by DeepSpeed: copy it again from the training run")
 
 
-def recorded_shape(value, path, name):
+def recorded_shape(value: Any, path: str, name: str) -> Tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or len(value) > MAX_NDIM or \
             not all(type(s) is int for s in value):
         raise LayoutError(f"{path}: recorded shape of {short_repr(name)} is not a shape "
@@ -77,7 +89,7 @@ def recorded_shape(value, path, name):
     return shape
 
 
-def numel(shape):
+def numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
@@ -91,7 +103,7 @@ def tensor_pieces(ref: TensorRef, start: int, count: int) -> Piece:
     return Piece(ref.path, offset, count, ref.dtype)
 
 
-def fragment_address(value, path):
+def fragment_address(value: Any, path: str) -> Tuple[int, int]:
     """A ``param_slice_mappings`` entry (``fragment_address``) as ``(numel, start)``, or LayoutError."""
     try:
         return int(value.numel), int(value.start)

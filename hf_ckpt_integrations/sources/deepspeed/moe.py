@@ -22,12 +22,17 @@ The output names experts by their global id, as DeepSpeed's own expert files do.
 
 import os
 import re
-from typing import Callable, Dict, List, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ... import guards
 from ...errors import LayoutError
 from ...formats.torch_files import TensorRef
 from .allowlist import load
+
+from .fields import OptimFile
+
+if TYPE_CHECKING:
+    from ...plan import TensorPlan
 
 __all__ = ["EXPERT_FILE_RE", "EXPERT_NAME_RE", "AUTOEP_NAME_RE", "Experts", "expert_name", "expert_files", "find_expert_files", "global_expert_name",
            "TOPOLOGIES", "plan_expert_group"]
@@ -40,12 +45,12 @@ AUTOEP_NAME_RE = re.compile(r"^(.*\.)?experts\.w[123]\.\d+$")
 
 
 
-def _expert_then_data(e, k, ep, count):
+def _expert_then_data(e: int, k: int, ep: int, count: int) -> int:
     """DeepSpeed's default: expert-data-parallel group ``e`` is ranks ``e, e + ep, e + 2 ep, ...``."""
     return k * ep + e
 
 
-def _data_then_expert(e, k, ep, count):
+def _data_then_expert(e: int, k: int, ep: int, count: int) -> int:
     """``use_data_before_expert_parallel_``: group ``e`` is ranks ``e * count ... (e + 1) * count - 1``."""
     return e * count + k
 
@@ -66,7 +71,7 @@ class Experts:
         self.counts = counts
         self.files = files
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         return bool(self.files)
 
 
@@ -144,8 +149,10 @@ def global_expert_name(local_name: str, ep_rank: int, ep: int, counts: Dict[str,
     return f"{m.group(1)}{ep_rank * (total // ep) + local}{m.group(3)}"
 
 
-def plan_expert_group(ranks, group, names, shapes, count, model_path, tensors, experts: Experts, notes, *,
-                      plan_group):
+def plan_expert_group(ranks: Mapping[int, OptimFile], group: int, names: List[str],
+                      shapes: Sequence[Tuple[int, ...]], count: Optional[int], model_path: str,
+                      tensors: Dict[str, "TensorPlan"], experts: Experts, notes: List[str], *,
+                      plan_group: Callable[..., None]) -> None:
     """Plan expert parameter group ``group`` (partitioned over ``count`` expert-data-parallel ranks)
     of every expert-parallel rank into ``tensors``, by global expert name. ``ranks``: every
     data-parallel rank's :class:`~.rank_files.RankFile`; ``names``/``shapes``: the group as

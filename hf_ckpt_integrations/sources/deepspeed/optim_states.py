@@ -15,17 +15,18 @@ instead. Only metadata is read (the same allowlisted unpickler), never a tensor.
 """
 
 import dataclasses
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ...errors import LayoutError, short_repr
 from ...formats.torch_files import TensorRef
 from ...plan import Chunk, Piece, TensorPlan
+from .fields import OptimFile
 from .rank_files import find_rank_files
 
 __all__ = ["OptimizerStates", "state_fields"]
 
 
-def state_fields(osd) -> Tuple[list, dict, list]:
+def state_fields(osd: Mapping[str, Any]) -> Tuple[list, dict, list]:
     """``(fp32 partitions, {group: {state name: value}}, param_groups)`` of one optimizer file's
     ``optimizer_state_dict`` (ZeRO-1/2 or ZeRO-3 layout); LayoutError when the file holds none."""
     if "fp32_flat_groups" in osd:  # ZeRO-3
@@ -48,7 +49,7 @@ class OptimizerStates:
     order the optimizer holds them. ``param_groups``: the first file's ``param_groups`` (the
     optimizer hyperparameters). ``fields``: the first file's ``optimizer_state_dict``."""
 
-    def __init__(self, tag_dir: str, optim=None):
+    def __init__(self, tag_dir: str, optim: Optional[Mapping[int, Mapping[int, OptimFile]]] = None):
         # ``optim[mp][dp]``: files with ``path`` and ``osd`` (a pipeline save's, from its own reader)
         if optim is None:
             optim, _ = find_rank_files(tag_dir)
@@ -93,7 +94,7 @@ class OptimizerStates:
                     start, nbytes = ref.byte_range()
                     self._index.setdefault(ref.path, []).append((start, start + nbytes, ref, states))
 
-    def _where(self, piece: Piece):
+    def _where(self, piece: Piece) -> Optional[Tuple[int, Dict[str, Any]]]:
         for start, end, ref, states in self._index.get(piece.path, ()):
             if start <= piece.offset < end:
                 if piece.offset + piece.numel * 4 > end or (piece.offset - start) % 4:
@@ -128,7 +129,7 @@ class OptimizerStates:
         return dataclasses.replace(t, parts=[move(part) for part in t.parts], replicas=[move(r) for r in t.replicas],
                                    chunks=chunks, module_check=None, tied_copies=[])
 
-    def scalar(self, t: TensorPlan, name: str):
+    def scalar(self, t: TensorPlan, name: str) -> Any:
         """The per-group value ``name`` (``step``) of ``t``'s group, the same in every file holding
         a piece of ``t`` (a TensorRef or a plain number); LayoutError when they differ."""
         values = []
@@ -147,11 +148,11 @@ class OptimizerStates:
         return first
 
 
-def _show(v):
+def _show(v: Any) -> Any:
     return f"tensor at byte {v.byte_range()[0]}" if isinstance(v, TensorRef) else v
 
 
-def _same_scalar(a, b) -> bool:
+def _same_scalar(a: Any, b: Any) -> bool:
     if isinstance(a, TensorRef) and isinstance(b, TensorRef):
         from ...mapped_files import MappedFiles
 

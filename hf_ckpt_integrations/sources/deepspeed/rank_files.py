@@ -10,7 +10,7 @@ stages, universal checkpoints) can reuse :func:`resolve_tag_dir` and :class:`Ran
 
 import os
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ... import guards
 from ...errors import CheckpointError, LayoutError
@@ -18,8 +18,8 @@ from .allowlist import load
 from .bf16_optimizer import is_bf16_optimizer_state
 from .fields import check_optim_types, require
 
-__all__ = ["OPTIM_RE", "MODEL_RE", "RankFile", "is_tag_dir", "list_tags", "resolve_tag_dir", "holds_checkpoint",
-           "claim", "find_rank_files", "optim_name", "model_name"]
+__all__ = ["OPTIM_RE", "MODEL_RE", "RankFile", "is_tag_dir", "list_tags", "resolve_tag_dir",
+           "holds_checkpoint", "claim", "find_rank_files", "optim_name", "model_name"]
 
 OPTIM_RE = re.compile(r"^(?:(bf16|fp16)_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -43,7 +43,7 @@ def is_tag_dir(path: str) -> bool:
     return any(OPTIM_RE.match(n) or MODEL_RE.match(n) for n in names)
 
 
-def resolve_tag_dir(src: str, tag: Optional[str] = None):
+def resolve_tag_dir(src: str, tag: Optional[str] = None) -> Tuple[str, str]:
     """Return ``(tag_dir, tag)`` for a save dir (``latest`` + tag dirs), a tag dir, or a Trainer
     ``checkpoint-N`` dir. Raises :class:`CheckpointError` naming what to pass instead."""
     src = os.path.abspath(src)
@@ -92,7 +92,8 @@ def list_tags(src: str) -> List[str]:
         return []
 
 
-def claim(ranks: dict, rank, value, tag_dir, name, name_of=None, *, what="rank", canonical=None):
+def claim(ranks: dict, rank: Optional[int], value: Any, tag_dir: str, name: str, name_of: object = None, *,
+          what: str = "rank", canonical: Optional[str] = None) -> None:
     """Place a rank file (:func:`~...guards.claim_file`): two names for one rank (``mp_rank_0`` and
     ``mp_rank_00``) are refused, naming both."""
     guards.claim_file(ranks, rank, os.path.join(tag_dir, name), where=tag_dir, what=what, canonical=canonical,
@@ -102,14 +103,14 @@ def claim(ranks: dict, rank, value, tag_dir, name, name_of=None, *, what="rank",
 class RankFile:
     """One data-parallel rank of one model-parallel rank: its optimizer file, read lazily."""
 
-    def __init__(self, path, dp_rank, prefix):
+    def __init__(self, path: str, dp_rank: int, prefix: str):
         self.path = path
         self.dp_rank = dp_rank
         self.prefix = prefix
-        self._osd = None
+        self._osd: Optional[Dict[str, Any]] = None
 
     @property
-    def osd(self):
+    def osd(self) -> Dict[str, Any]:
         if self._osd is None:
             obj = load(self.path)
             self._osd = require(obj, "optimizer_state_dict", self.path, "ZeRO optimizer")
@@ -142,10 +143,10 @@ def find_rank_files(tag_dir: str) -> Tuple[Dict[int, Dict[int, RankFile]], Dict[
                   canonical=optim_name(prefix, dp_rank, mp_rank))
         m = MODEL_RE.match(n)
         if m:
-            dp_rank = int(m.group(1)) if m.group(1) is not None else None
-            claim(models.setdefault(int(m.group(2)), {}), dp_rank, os.path.join(tag_dir, n), tag_dir, n,
+            model_dp = int(m.group(1)) if m.group(1) is not None else None
+            claim(models.setdefault(int(m.group(2)), {}), model_dp, os.path.join(tag_dir, n), tag_dir, n,
                   what=f"the model states of model-parallel rank {int(m.group(2))}, data-parallel rank",
-                  canonical=model_name(dp_rank, int(m.group(2))))
+                  canonical=model_name(model_dp, int(m.group(2))))
     if not optim:  # no ZeRO (stage 0): the model-states files alone (see .stage0)
         optim = {mp: {} for mp in models}
     if len(prefixes) > 1:

@@ -3,11 +3,13 @@ and data-parallel size the model-states file records, the checkpoint described a
 record it (every refusal names it), and the tied names written out where no HF config says
 otherwise."""
 
+from typing import Optional
+
 from ...plan import ExportPlan
 
 __all__ = ["recorded_stage", "recorded_dp", "describe", "write_aliases"]
 
-def recorded_stage(model) -> int:
+def recorded_stage(model: dict) -> int:
     """The ZeRO stage the model-states file's ``ds_config`` records (0 when it records none)."""
     cfg = model.get("ds_config")
     zero = cfg.get("zero_optimization") if isinstance(cfg, dict) else None
@@ -15,13 +17,13 @@ def recorded_stage(model) -> int:
     return stage if type(stage) is int else 0
 
 
-def recorded_dp(model):
+def recorded_dp(model: dict) -> Optional[int]:
     """The data-parallel size a model-states file records (``dp_world_size``), or None."""
     dp = model.get("dp_world_size")
     return dp if type(dp) is int else None
 
 
-def describe(stage, optimizer, dp) -> str:
+def describe(stage: int, optimizer: str, dp: Optional[int]) -> str:
     """The checkpoint as its files record it, for messages: ``"ZeRO stage 0 (torch optimizer), no
     optimizer partition files"``, ``"BF16_Optimizer, ZeRO stage 1, 2 data-parallel rank files"``."""
     if optimizer == "ZeRO":

@@ -16,7 +16,7 @@ every name, as views of one storage, which is how they are recognised (:func:`ti
 """
 
 from collections import OrderedDict
-from typing import Dict, Optional, Tuple
+from typing import Any, Collection, Dict, Mapping, Optional, Tuple
 
 from ...formats.dtypes import to_user
 from ...formats.torch_files import TensorRef
@@ -26,7 +26,7 @@ from .fields import tensor_pieces
 __all__ = ["plan_stage0", "masters_unread", "tied_names", "optimizer_kind"]
 
 
-def optimizer_kind(model) -> str:
+def optimizer_kind(model: Mapping[str, Any]) -> str:
     """What wrapped the optimizer of a stage-0 save, as the model-states file records it: the
     keys of its ``optimizer`` state (``fp32_groups``: FP16_UnfusedOptimizer, ``fp32_groups_flat``:
     FP16_Optimizer, ``single_partition_of_fp32_groups``: BF16_Optimizer), else a plain torch
@@ -60,7 +60,8 @@ def tied_names(module: Dict[str, object]) -> Dict[str, str]:
     return out
 
 
-def plan_stage0(model, model_path, module, buffer_names, tensors, what) -> Dict[str, str]:
+def plan_stage0(model: Mapping[str, Any], model_path: str, module: Dict[str, Any], buffer_names: Collection[str],
+                tensors: Dict[str, TensorPlan], what: str) -> Dict[str, str]:
     """Fill ``tensors`` with the module's weights and return the tied aliases. In fp32 they are the
     weights the optimizer stepped (kind ``master``). A 16-bit module's fp32 masters sit in an
     unnamed optimizer state: its weights are planned as what they are (kind ``module``) and
@@ -75,7 +76,8 @@ def plan_stage0(model, model_path, module, buffer_names, tensors, what) -> Dict[
     return aliases
 
 
-def masters_unread(model, model_path, tensors, what) -> Optional[Tuple[Optional[str], str]]:
+def masters_unread(model: Mapping[str, Any], model_path: str, tensors: Mapping[str, TensorPlan],
+                   what: str) -> Optional[Tuple[Optional[str], str]]:
     """``(dtype, reason)`` when the parameters :func:`plan_stage0` planned (``tensors``) are 16-bit
     module weights (their fp32 masters unread): an export in ``dtype`` (theirs) writes them exactly
     as the engine holds them; any other is refused with ``reason`` (``dtype`` None: every one is).

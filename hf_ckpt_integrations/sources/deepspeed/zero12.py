@@ -3,19 +3,23 @@ data-parallel rank (the arithmetic is :mod:`.partitions`); every partition's pla
 against the module weights the model-states file holds whole."""
 
 import os
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ...errors import LayoutError
 from ...formats.torch_files import TensorRef
 from ...mapped_files import MappedFiles
 from ...plan import TensorPlan
 from . import moe, partitions
-from .fields import numel, recorded_shape, tensor_pieces
+from .fields import OptimFile, numel, recorded_shape, tensor_pieces
+from .partitions import Fragment
 
 __all__ = ["plan_zero12", "plan_group", "plan_zero12_frozen", "module_copy", "prove_places", "param_alignment_paddings",
            "PLACE_SAMPLES"]
 
 
-def plan_zero12(ranks, param_groups, model_path, tensors, module, *, notes=None, experts=None):
+def plan_zero12(ranks: Mapping[int, OptimFile], param_groups: List[Dict[str, Any]], model_path: str,
+                tensors: Dict[str, TensorPlan], module: Mapping[str, Any], *, notes: Optional[List[str]] = None,
+                experts: Optional[moe.Experts] = None) -> None:
     """Plan every parameter group of one model-parallel rank into ``tensors``. ``experts``: the
     MoE expert files (:func:`.moe.find_expert_files`); groups partitioned over fewer ranks than
     ``ranks`` are expert groups, planned by :mod:`.moe`. ``notes``: a list the plan's notes go to."""
@@ -33,14 +37,16 @@ def plan_zero12(ranks, param_groups, model_path, tensors, module, *, notes=None,
         plan_group(ranks, i, names, shapes, model_path, copies, tensors, notes)
 
 
-def _partition_count(rank_file, group):
+def _partition_count(rank_file: OptimFile, group: int) -> Optional[int]:
     pc = rank_file.osd.get("partition_count")
     if isinstance(pc, list) and group < len(pc) and isinstance(pc[group], int):
         return pc[group]
     return pc if isinstance(pc, int) else None
 
 
-def plan_group(ranks, i, names, shapes, model_path, copies, tensors, notes, *, names_out=None):
+def plan_group(ranks: Mapping[int, OptimFile], i: int, names: List[str], shapes: Sequence[Tuple[int, ...]],
+               model_path: str, copies: Mapping[str, Optional[TensorRef]], tensors: Dict[str, TensorPlan],
+               notes: List[str], *, names_out: Optional[List[str]] = None) -> None:
     """Plan parameter group ``i`` held by ``ranks`` (``{partition rank: RankFile}``, the group's own
     data-parallel ranks), its ``names`` and ``shapes`` in the recorded (flat) order, each proven
     against ``copies`` (name -> module weight or None). ``names_out``: the names written (an
@@ -90,12 +96,13 @@ def plan_group(ranks, i, names, shapes, model_path, copies, tensors, notes, *, n
         tensors[out] = TensorPlan(out, shape, "F32", [pieces], kind="master", module_check=check)
 
 
-def _round_robin_recorded(names, numels, parts, pads, rank, recorded):
+def _round_robin_recorded(names: List[str], numels: List[int], parts: List[TensorRef], pads: List[int], rank: int,
+                          recorded: Dict[str, Tuple[int, int]]) -> bool:
     """True when ``recorded`` (rank ``rank``'s ``param_slice_mappings``) are exactly what DeepSpeed
     records under ``round_robin_gradients``: offsets counted in the module order, which the flat
     (recorded) order dealt out over the group's ranks came from (:func:`.partitions.round_robin_order`)."""
     order = partitions.round_robin_order(len(names), len(parts))
-    module_order = [None] * len(names)
+    module_order = [0] * len(names)  # every slot is set below: ``order`` is a permutation
     for flat_index, original in enumerate(order):
         module_order[original] = flat_index
     try:
@@ -110,7 +117,7 @@ def _round_robin_recorded(names, numels, parts, pads, rank, recorded):
 PLACE_SAMPLES = 8
 
 
-def module_copy(ref, shape):
+def module_copy(ref: Any, shape: Sequence[int]) -> Optional[TensorRef]:
     """The module weight matching a master of ``shape``, if the model-states file holds one."""
     if isinstance(ref, TensorRef) and ref.shape == tuple(shape) and ref.is_contiguous() and \
             ref.dtype in ("F32", "BF16", "F16"):
@@ -118,7 +125,8 @@ def module_copy(ref, shape):
     return None
 
 
-def prove_places(ranks, group, names, frags, parts, copies, model_path):
+def prove_places(ranks: Mapping[int, OptimFile], group: int, names: Sequence[str], frags: List[List[Fragment]],
+                 parts: Sequence[TensorRef], copies: Mapping[str, Optional[TensorRef]], model_path: str) -> None:
     """Prove each rank file sits at its place: a few of its fp32 masters, cast to the module weights'
     dtype, must equal the module weights (saved whole in the model-states file) at the positions
     the place implies. ``param_slice_mappings`` cannot do this when several ranks hold slices of
@@ -128,7 +136,8 @@ def prove_places(ranks, group, names, frags, parts, copies, model_path):
     """
     from ...casts import cast_bytes  # numpy: the one rounding implementation (bitwise torch's)
 
-    by_rank = {r: [] for r in range(len(parts))}  # rank -> [(local start, count, name, offset in param)]
+    # rank -> [(local start, count, name, offset in param)]
+    by_rank: Dict[int, List[Tuple[int, int, str, int]]] = {r: [] for r in range(len(parts))}
     for name, fr in zip(names, frags):
         done = 0
         for r, local, count in fr:
@@ -140,7 +149,9 @@ def prove_places(ranks, group, names, frags, parts, copies, model_path):
             for pos in sorted({(n - 1) * k // (PLACE_SAMPLES - 1) for k in range(PLACE_SAMPLES)} if n else ()):
                 hit = next(((name, off + pos - local) for local, count, name, off in spans
                             if local <= pos < local + count), None)
-                copy = copies.get(hit[0]) if hit else None
+                if hit is None:
+                    continue
+                copy = copies.get(hit[0])
                 if copy is None:
                     continue
                 master = bytes(files.read(*_one(parts[r], pos)))
@@ -154,12 +165,12 @@ def prove_places(ranks, group, names, frags, parts, copies, model_path):
                         "save: restore the original file names, or copy the tag directory again")
 
 
-def _one(ref, index):
+def _one(ref: TensorRef, index: int) -> Tuple[str, int, int]:
     offset, nbytes = ref.byte_range(index, 1)
     return ref.path, offset, nbytes
 
 
-def _is_nan(raw, dtype):
+def _is_nan(raw: bytes, dtype: str) -> bool:
     bits = int.from_bytes(raw, "little")
     if dtype == "F32":
         return (bits & 0x7FFFFFFF) > 0x7F800000
@@ -168,7 +179,7 @@ def _is_nan(raw, dtype):
     return (bits & 0x7FFF) > 0x7C00
 
 
-def param_alignment_paddings(ranks, group):
+def param_alignment_paddings(ranks: Mapping[int, OptimFile], group: int) -> Optional[List[int]]:
     """Zeros DeepSpeed put after each parameter of ``group`` (``param_alignment_paddings``, 0.19+
     with ``parameter_alignment``); ``None`` when the files record none (all releases before 0.19)."""
     recorded = [r.osd.get("param_alignment_paddings") for r in ranks.values()]
@@ -184,14 +195,14 @@ def param_alignment_paddings(ranks, group):
                           f"{group}; the file is corrupt") from None
 
 
-def _address(value, path):
+def _address(value: Any, path: str) -> Tuple[int, int]:
     try:
         return int(value.numel), int(value.start)
     except (AttributeError, TypeError, ValueError):
         raise LayoutError(f"{path}: a param_slice_mappings entry is not a fragment address; the file is corrupt")
 
 
-def plan_zero12_frozen(model, model_path, tensors):
+def plan_zero12_frozen(model: Mapping[str, Any], model_path: str, tensors: Dict[str, TensorPlan]) -> None:
     shapes = model.get("frozen_param_shapes") or {}
     frags = model.get("frozen_param_fragments") or {}
     for name, shape in shapes.items():

@@ -38,7 +38,7 @@ import json
 import math
 import os
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Collection, Dict, List, Optional, Sequence, Set, Tuple
 
 from ... import guards
 from ...errors import CheckpointError, LayoutError, one_line, short_repr
@@ -47,6 +47,7 @@ from ...plan import Chunk, ExportPlan, TensorPlan, check_tiling
 from . import local
 from .placement import box_pieces, index_runs, local_indices
 from .stand_ins import ALLOWED, TYPES, DTensorRef, ShardedRef  # ALLOWED: this source's allowlist
+from ..protocol import PlanContext
 
 __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "OPTIONS", "ALLOWED", "detect", "needs_config",
            "config_candidates", "plan", "find_rank_files", "local_indices", "DTensorRef"]
@@ -76,14 +77,14 @@ _LORA_DIR = "lora_adapter"  # verl's fsdp worker writes a LoRA actor's adapter (
 
 # ---- where the files are ---------------------------------------------------------------------
 
-def _listdir(path) -> List[str]:
+def _listdir(path: str) -> List[str]:
     try:
         return os.listdir(path)
     except OSError:
         return []
 
 
-def _rank_names(path) -> Dict[str, List[Tuple[int, str]]]:
+def _rank_names(path: str) -> Dict[str, List[Tuple[int, str]]]:
     """``{"verl": [(rank, name)], "accelerate": [...], "local": [...]}`` of ``path``'s rank files."""
     out: Dict[str, List[Tuple[int, str]]] = {}
     for name in _listdir(path):
@@ -134,7 +135,7 @@ def find_rank_files(model_dir: str) -> Tuple[str, int, List[str]]:
     found = _rank_names(model_dir)
     if "verl" in found:
         layout, entries = "verl", found["verl"]
-        sizes = sorted({int(_VERL_RE.match(n).group(1)) for _, n in entries})
+        sizes = sorted({int(m.group(1)) for _, n in entries if (m := _VERL_RE.match(n))})  # each matched it
         if len(sizes) != 1:
             raise CheckpointError(f"{model_dir}: holds model files of world sizes {sizes}; keep one save's files in a "
                                   "step directory")
@@ -178,11 +179,11 @@ def find_rank_files(model_dir: str) -> Tuple[str, int, List[str]]:
 class _Shard:
     """One rank's piece of one tensor, read from its file: where its blocks land."""
 
-    def __init__(self, shape, dtype, chunks, describe):
+    def __init__(self, shape: Tuple[int, ...], dtype: str, chunks: List[Chunk], describe: str):
         self.shape, self.dtype, self.chunks, self.describe = shape, dtype, chunks, describe
 
 
-def _mesh(mesh, where, rank) -> Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[str, ...]]:
+def _mesh(mesh: Any, where: str, rank: int) -> Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[str, ...]]:
     """``(shape, this rank's coordinate, dim names)`` of a pickled DeviceMesh (torch 2.4 -> 2.13 keep
     the coordinate as ``_coordinate_on_dim``; the shape is the ``mesh`` tensor's, or since 2.9 the
     ``_layout``'s axes')."""
@@ -212,7 +213,7 @@ def _mesh(mesh, where, rank) -> Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[st
     return shape, coord, names
 
 
-def _placement(p, ndim, where) -> Tuple[str, int, int]:
+def _placement(p: Any, ndim: int, where: str) -> Tuple[str, int, int]:
     kind = getattr(p, "kind", None)
     if kind == "Replicate":
         return ("replicate", -1, 0)
@@ -227,11 +228,11 @@ def _placement(p, ndim, where) -> Tuple[str, int, int]:
     raise LayoutError(f"{where}: placement {short_repr(p)} is not one hf-ckpt reads (Shard, _StridedShard, Replicate)")
 
 
-def _describe(p) -> str:
+def _describe(p: Tuple[str, int, int]) -> str:
     return {"replicate": "Replicate()", "shard": f"Shard({p[1]})", "strided": f"_StridedShard({p[1]}, {p[2]})"}[p[0]]
 
 
-def _dtensor_shard(name, t: DTensorRef, where, rank) -> Tuple[_Shard, dict]:
+def _dtensor_shard(name: str, t: DTensorRef, where: str, rank: int) -> Tuple[_Shard, Dict[str, Any]]:
     shape = guards.dims(t.shape, f"{name} size", where)
     local = t.local
     spec = t.spec
@@ -257,12 +258,12 @@ def _dtensor_shard(name, t: DTensorRef, where, rank) -> Tuple[_Shard, dict]:
         hi = tuple(c[0] + c[2] for c in combo)
         chunks.append(Chunk(tuple(box_pieces(local, lo, hi)), tuple(c[1] for c in combo),
                             tuple(c[2] for c in combo)))
-    facts = {"mesh": list(mesh_shape), "dim_names": list(dim_names),
+    facts: Dict[str, Any] = {"mesh": list(mesh_shape), "dim_names": list(dim_names),
              "placements": [_describe(p) for p in placed]}
     return _Shard(shape, local.dtype, chunks, ", ".join(facts["placements"])), facts
 
 
-def _sharded_shard(name, t: ShardedRef, where, rank) -> _Shard:
+def _sharded_shard(name: str, t: ShardedRef, where: str, rank: int) -> _Shard:
     """A ShardedTensor's local shards, each placed at the offsets its ShardMetadata records."""
     shape = guards.dims(t.shape, f"{name} size", where)
     if type(t.shards) is not list:
@@ -285,18 +286,21 @@ def _sharded_shard(name, t: ShardedRef, where, rank) -> _Shard:
     return _Shard(shape, str(t.dtype), chunks, "ShardedTensor")
 
 
-def _plain_shard(ref: torch_files.TensorRef, rank) -> _Shard:
+def _plain_shard(ref: torch_files.TensorRef, rank: int) -> _Shard:
     """A plain tensor (a buffer) every rank holds whole: each rank's is a copy."""
     pieces = box_pieces(ref, (0,) * len(ref.shape), ref.shape)
     return _Shard(ref.shape, ref.dtype, [Chunk(tuple(pieces), (0,) * len(ref.shape), tuple(ref.shape))],
                   "whole on every rank")
 
 
-def _read_rank(path, rank, sd=None, skip=()) -> Tuple[Dict[str, _Shard], dict, int]:
+def _read_rank(path: str, rank: int, sd: Optional[dict] = None,
+               skip: Collection[str] = ()) -> Tuple[Dict[str, _Shard], Dict[str, Dict[str, Any]], int]:
     sd = torch_files.load(path, allowed=ALLOWED) if sd is None else sd
     if not isinstance(sd, dict):
         raise LayoutError(f"{path}: holds {type(sd).__name__}, not a state dict; pass the model's rank files")
-    out, facts, skipped = {}, {}, 0
+    out: Dict[str, _Shard] = {}
+    facts: Dict[str, Dict[str, Any]] = {}
+    skipped = 0
     for name, value in sd.items():
         if type(name) is not str:
             raise LayoutError(f"{path}: key {short_repr(name)} is not a name; the file is corrupt")
@@ -321,17 +325,23 @@ def _read_rank(path, rank, sd=None, skip=()) -> Tuple[Dict[str, _Shard], dict, i
 
 # ---- the plan ----------------------------------------------------------------------------------
 
-def plan(ctx) -> ExportPlan:
+def plan(ctx: PlanContext) -> ExportPlan:
     """The registry's entry point: every rank file read (pickles only), each tensor's shards placed."""
-    model_dir = os.path.abspath(_model_dir(ctx.path))
+    found = _model_dir(ctx.path)
+    assert found is not None, "plan() of a path detect() did not claim"  # the registry asks detect() first
+    model_dir = os.path.abspath(found)
     layout, world, files = find_rank_files(model_dir)
     ranks = []
     facts: Dict[str, dict] = {}
     skipped = 0
-    flat_tensors, flat_facts, states, consumed = [], None, [None] * world, set()
+    flat_tensors: List[TensorPlan] = []
+    flat_facts: Optional[Dict[str, Any]] = None
+    states: Sequence[Optional[dict]] = [None] * world
+    consumed: Set[str] = set()
     if layout == "local":
-        states = local.load_states(files)
-        flat_tensors, flat_facts, consumed = local.plan_tensors(local.meta_model_for(ctx, files[0]), files, states,
+        loaded = local.load_states(files)
+        states = loaded
+        flat_tensors, flat_facts, consumed = local.plan_tensors(local.meta_model_for(ctx, files[0]), files, loaded,
                                                                 model_dir)
     for r, path in enumerate(files):
         shards, f, s = _read_rank(path, r, states[r], consumed)
@@ -361,7 +371,7 @@ def plan(ctx) -> ExportPlan:
     others = [d for d in ("critic",) if os.path.isdir(os.path.join(os.path.dirname(model_dir), d))]
     if others and os.path.basename(model_dir) in _MODEL_DIRS:
         notes.append(f"exported {os.path.basename(model_dir)}/; {', '.join(others)}/ beside it is not exported")
-    detail = {"world_size": world, "layout": layout,
+    detail: Dict[str, Any] = {"world_size": world, "layout": layout,
               "placements": {k: sum(1 for n in names if ranks[0][n].describe == k) for k in sorted(facts)}}
     if flat_facts:
         detail["placements"]["flat parameter"] = len(flat_tensors)
@@ -381,7 +391,7 @@ def plan(ctx) -> ExportPlan:
                       files=files, notes=notes, detail=detail)
 
 
-def _tensor(name, shards: List[_Shard], files) -> TensorPlan:
+def _tensor(name: str, shards: List[_Shard], files: List[str]) -> TensorPlan:
     """One output tensor from every rank's shard. Ranks holding the same block (the same offsets and
     sizes: a Replicate mesh dim, a DTensor on a sub-mesh such as FSDP's "dp" beside "tp", a buffer)
     hold copies: the lowest rank's is written, every other is checked bitwise equal to it

@@ -24,7 +24,7 @@ parameters). Several: refused, naming what the file lacks.
 
 import math
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from ...errors import CheckpointError, LayoutError, one_line, short_repr
 from ...formats import torch_files
@@ -32,18 +32,23 @@ from ...plan import Chunk, TensorPlan, check_tiling, narrow_pieces, row_major_pi
 from .placement import box_pieces
 from .stand_ins import ALLOWED, ShardedRef
 
+if TYPE_CHECKING:
+    import torch
+
+    from ..protocol import PlanContext
+
 __all__ = ["FLAT", "is_flat_param", "unit_params", "layouts", "plan_tensors"]
 
 FLAT = "_flat_param"
 _ALIGNMENTS = (0, 2, 4, 8, 16)  # 16 bytes of a 8-, 4-, 2- or 1-byte compute dtype; 0: use_orig_params=False
 
 
-def is_flat_param(name, value) -> bool:
+def is_flat_param(name: Any, value: Any) -> bool:
     return isinstance(value, ShardedRef) and type(name) is str and (name == FLAT or name.endswith("." + FLAT))
 
 
-def unit_params(model, units: List[str], where: str) -> Tuple[Dict[str, List[Tuple[str, tuple]]], Dict[str, str],
-                                                               List[Tuple[str, tuple]]]:
+def unit_params(model: "torch.nn.Module", units: List[str], where: str
+                ) -> Tuple[Dict[str, List[Tuple[str, tuple]]], Dict[str, str], List[Tuple[str, tuple]]]:
     """``({unit: [(name, shape)] in flat order}, {tied alias: name}, [(name, shape)] in no unit)`` of the
     meta ``model``: each unit module's ``named_modules(remove_duplicate=False)``, the parameters each
     module registers itself, modules under a nested unit skipped, a parameter seen before in the unit
@@ -99,7 +104,8 @@ def layouts(numels: List[int], world: int, total: int) -> Dict[tuple, List[int]]
     return found
 
 
-def _shard(ref: ShardedRef, name, path, rank) -> Tuple[int, str, Optional[Tuple[int, int, torch_files.TensorRef]]]:
+def _shard(ref: ShardedRef, name: str, path: str,
+           rank: int) -> Tuple[int, str, Optional[Tuple[int, int, torch_files.TensorRef]]]:
     """``(element count, dtype, (offset, size, local tensor) or None)`` of one rank's flat parameter."""
     shape = ref.shape
     if type(shape) not in (tuple, list) or len(shape) != 1 or type(shape[0]) is not int or shape[0] < 0:
@@ -112,8 +118,8 @@ def _shard(ref: ShardedRef, name, path, rank) -> Tuple[int, str, Optional[Tuple[
         return shape[0], str(ref.dtype), None
     s = ref.shards[0]
     t, md = s.field("tensor"), s.field("metadata")
-    off = md.field("shard_offsets") if md is not None and hasattr(md, "field") else None
-    size = md.field("shard_sizes") if md is not None and hasattr(md, "field") else None
+    off: Any = md.field("shard_offsets") if md is not None and hasattr(md, "field") else None
+    size: Any = md.field("shard_sizes") if md is not None and hasattr(md, "field") else None
     if not isinstance(t, torch_files.TensorRef) or type(off) not in (list, tuple) or type(size) not in (list, tuple) \
             or len(off) != 1 or len(size) != 1 or t.shape != (size[0],) or t.dtype != str(ref.dtype) \
             or type(off[0]) is not int or off[0] < 0 or off[0] + size[0] > shape[0]:
@@ -122,7 +128,8 @@ def _shard(ref: ShardedRef, name, path, rank) -> Tuple[int, str, Optional[Tuple[
     return shape[0], str(ref.dtype), (off[0], size[0], t)
 
 
-def plan_tensors(model, files: List[str], states: List[dict], where: str) -> Tuple[List[TensorPlan], dict, set]:
+def plan_tensors(model: "torch.nn.Module", files: List[str], states: List[dict],
+                 where: str) -> Tuple[List[TensorPlan], Dict[str, Any], Set[str]]:
     """The parameters of every flat parameter of ``states`` (each rank's loaded state dict), split
     as FSDP1 laid them out: ``(tensors, facts, names consumed)`` (the flat parameters and the
     parameters' views; the caller reads every other entry as a plain tensor)."""
@@ -136,8 +143,9 @@ def plan_tensors(model, files: List[str], states: List[dict], where: str) -> Tup
     units = [k[: -len(FLAT)].rstrip(".") for k in keys]
     params, aliases, loose = unit_params(model, units, where)
     out: List[TensorPlan] = []
-    consumed = set()
-    aligns, with_views = set(), False
+    consumed: Set[str] = set()
+    aligns: Set[int] = set()
+    with_views = False
     for unit in units:
         key = f"{unit}.{FLAT}" if unit else FLAT
         shown = one_line(key[:200])
@@ -163,6 +171,7 @@ def plan_tensors(model, files: List[str], states: List[dict], where: str) -> Tup
                               "rank's file is missing, duplicated or from another save: copy the checkpoint again") \
                 from None
         flat = row_major_pieces((total,), chunks)
+        assert flat is not None  # 1-D chunks tiling the tensor are always laid end to end
         found = layouts(numels, world, total)
         views = _views(states, names + [a for a, p in aliases.items() if p in names])
         consumed.update(views)
@@ -195,13 +204,15 @@ def plan_tensors(model, files: List[str], states: List[dict], where: str) -> Tup
     return out, facts, consumed
 
 
-def _views(states, names) -> set:
+def _views(states: List[dict], names: List[str]) -> Set[str]:
     """The parameter names every rank's file holds a plain tensor under: use_orig_params' 1-D views."""
     held = [n for n in names if isinstance(states[0].get(n), torch_files.TensorRef)]
     return set(held)
 
 
-def _views_fit(starts, names, numels, aliases, shards, states, views) -> bool:
+def _views_fit(starts: Tuple[int, ...], names: List[str], numels: List[int], aliases: Dict[str, str],
+               shards: List[Tuple[int, str, Optional[Tuple[int, int, torch_files.TensorRef]]]], states: List[dict],
+               views: Set[str]) -> bool:
     """Whether every rank's view of every parameter is the piece of its shard this layout gives: its
     element count, and its offset into the flat parameter's storage where they share one."""
     primary = {n: (s, k) for n, s, k in zip(names, starts, numels)}
@@ -231,7 +242,7 @@ def load_states(files: List[str]) -> List[dict]:
     return states
 
 
-def meta_model_for(ctx, where: str):
+def meta_model_for(ctx: "PlanContext", where: str) -> "torch.nn.Module":
     """The model ``ctx``'s config describes, on the meta device; refused without one."""
     from ...convert.hub_layout import meta_model
 

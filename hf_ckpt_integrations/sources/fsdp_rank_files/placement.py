@@ -43,7 +43,7 @@ def local_indices(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequen
 
 def index_runs(indices: List[int]) -> List[Tuple[int, int, int]]:
     """Maximal runs of consecutive global indices: ``(local start, global start, length)``."""
-    out = []
+    out: List[Tuple[int, int, int]] = []
     for k, g in enumerate(indices):
         if out and out[-1][1] + out[-1][2] == g:
             out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)

@@ -2,7 +2,7 @@
 ShardedTensor), rebuilt as inert stand-ins: :data:`ALLOWED` is the source's allowlist for the
 restricted unpickler. Nothing from a file is called; torch.distributed is never imported."""
 
-from typing import Dict
+from typing import Any, Callable, Dict, Iterable, Type
 
 from ...errors import CheckpointError, UnsafeCheckpointError, short_repr
 from ...formats import torch_files
@@ -21,27 +21,29 @@ class _Obj(StandIn):
     ``ShardOrderEntry`` are named tuples built from them), BUILD state as ``state``. Nothing runs."""
 
     kind = "Obj"
+    args: tuple
+    state: Any
 
-    def __new__(cls, *args):
+    def __new__(cls, *args: Any) -> "_Obj":
         obj = object.__new__(cls)
         obj.args, obj.state = args, None
         return obj
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: Any) -> None:
         self.state = state
 
-    def field(self, name, default=None):
+    def field(self, name: str, default: Any = None) -> Any:
         """Field ``name`` of the state: a dict, or a ``(dict, slots dict)`` pair as torch pickles slots."""
         for part in (self.state if type(self.state) is tuple else (self.state,)):
             if type(part) is dict and name in part:
                 return part[name]
         return default
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{self.kind}({short_repr(self.args)}, {short_repr(self.state)})"
 
 
-def _obj_type(name):
+def _obj_type(name: str) -> Type[_Obj]:
     return type(name, (_Obj,), {"kind": name})
 
 
@@ -55,10 +57,10 @@ TYPES = {n: _obj_type(n) for n in ("DeviceMesh", "_MeshLayout", "_FlatLayout", "
 class _Marker:
     """A pickled class that is only ever an argument (``DTensor`` in its rebuild call): not callable."""
 
-    def __init__(self, name):
+    def __init__(self, name: str):
         self.name = name
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return self.name
 
 
@@ -66,7 +68,7 @@ _DTENSOR = _Marker("DTensor")
 _SHARDED = _Marker("ShardedTensor")
 
 
-def _getattr(obj, name):
+def _getattr(obj: Any, name: Any) -> Type[_Obj]:
     # ShardedTensor pickles its process-group record as getattr(ShardedTensor, "ProcessGroupState"):
     # that one attribute of that one marker, nothing else.
     if obj is _SHARDED and name == "ProcessGroupState":
@@ -78,11 +80,11 @@ def _getattr(obj, name):
 class _WrapperArgs(StandIn):
     """What ``torch._utils._rebuild_wrapper_subclass(cls, dtype, size, stride, ...)`` was given: kept, not run."""
 
-    def __init__(self, args):
+    def __init__(self, args: tuple):
         self.args = args
 
 
-def _rebuild_wrapper_subclass(*args):
+def _rebuild_wrapper_subclass(*args: Any) -> _WrapperArgs:
     return _WrapperArgs(args)
 
 
@@ -90,7 +92,7 @@ class DTensorRef(StandIn):
     """A DTensor of a rank file: global ``shape`` and ``dtype``, ``local`` (the rank's shard, a
     :class:`~..formats.torch_files.TensorRef`) and ``spec`` (the pickled ``DTensorSpec`` stand-in)."""
 
-    def __init__(self, shape, dtype, local, spec):
+    def __init__(self, shape: Any, dtype: Any, local: Any, spec: Any):  # as unpickled: checked by the reader
         self.shape, self.dtype, self.local, self.spec = shape, dtype, local, spec
 
 
@@ -98,11 +100,11 @@ class ShardedRef(StandIn):
     """A ShardedTensor of a rank file: global ``shape`` and ``dtype`` and ``shards``, the rank's local
     shards (``LocalShard`` stand-ins: a tensor and its ``ShardMetadata`` offsets and sizes)."""
 
-    def __init__(self, shape, dtype, shards):
+    def __init__(self, shape: Any, dtype: Any, shards: Any):  # as unpickled: checked by the reader
         self.shape, self.dtype, self.shards = shape, dtype, shards
 
 
-def _rebuild_from_type_v2(func, new_type, args, state):
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     # torch pickles a tensor subclass as (rebuild function, class, args, state): a DTensor through
     # _rebuild_wrapper_subclass with its local shard and spec in the (dict, slots) state; every
     # other tensor as torch_files reads it.
@@ -119,11 +121,12 @@ def _rebuild_from_type_v2(func, new_type, args, state):
     return DTensorRef(args[2], args[1], holder.field("_local_tensor"), holder.field("_spec"))
 
 
-def _named(module_names, cls_names, value):
+def _named(module_names: Iterable[str], cls_names: Iterable[str],
+           value: Callable[[str], Any]) -> Dict[str, Dict[str, Any]]:
     return {m: {n: value(n) for n in cls_names} for m in module_names}
 
 
-def _merge(*tables):
+def _merge(*tables: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     out: Dict[str, dict] = {}
     for table in tables:
         for module, names in table.items():
