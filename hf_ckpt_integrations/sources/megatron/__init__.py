@@ -30,7 +30,7 @@ OPTIONS = ()
 
 
 def detect(path: str, tag: Optional[str] = None) -> bool:
-    return tag is None and layout.iteration_dir(path) is not None
+    return tag is None and (layout.iteration_dir(path) is not None or layout.latest_problem(path) is not None)
 
 
 _GENERATED: Dict[str, str] = {}  # checkpoint dir -> the directory holding the config.json derived from its args
@@ -157,6 +157,8 @@ def _check_config(cfg: dict, args: Dict[str, Any], where: str) -> None:
 
 def plan(ctx) -> ExportPlan:
     it = layout.iteration_dir(ctx.path)
+    if it is None:
+        raise CheckpointError(layout.latest_problem(ctx.path) or f"{ctx.path}: no Megatron iteration directory")
     save = layout.read(it)
     args = save.args
     cfg = ctx.config if ctx.config_dir is not None else None

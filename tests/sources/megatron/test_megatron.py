@@ -210,3 +210,16 @@ def test_legacy_missing_rank_directory_is_refused(case, tmp_path):
     src = _copy(case, "tp2pp2", "legacy", tmp_path)
     shutil.rmtree(src / ITER / "mp_rank_01_001")
     export_refused(src, tmp_path / "out", match=("mp_rank_01_001", "missing"))
+
+
+@pytest.mark.parametrize("text,match", [
+    (b"\x00\x13garbage", ("latest_checkpointed_iteration.txt", "not an iteration number", "iter_0000001")),
+    (b"7", ("latest_checkpointed_iteration.txt", "names iteration 7", "iter_0000007", "iter_0000001")),
+])
+def test_corrupt_or_lying_latest_file_is_refused_naming_it(case, tmp_path, text, match):
+    # not "no checkpoint found there": the save dir holds iter_NNNNNNN/, the file that points into it is wrong
+    src = _copy(case, "tp2", "torch_dist", tmp_path)
+    (src / "latest_checkpointed_iteration.txt").write_bytes(text)
+    export_refused(src, tmp_path / "out", match=match)
+    r = hf_ckpt("inspect", src)
+    assert r.returncode == 2 and match[1] in r.stderr, r.stderr[-2000:]
