@@ -92,6 +92,8 @@ def merge_tp(name: str, slices: Sequence[TensorPlan], tp: Optional[str], params:
     """The TP slices of one tensor (rank order) merged by ``tp`` (:data:`~.rules.TP_VALUES`) into one plan
     named ``name``. One slice: itself, renamed."""
     first = slices[0]
+    if len(slices) == 1 and tp == "vocab":
+        return _vocab_rows(name, first, params, where)
     if len(slices) == 1:
         return dataclasses.replace(first, name=name)
     shapes = [tuple(s.shape) for s in slices]
@@ -122,6 +124,19 @@ def merge_tp(name: str, slices: Sequence[TensorPlan], tp: Optional[str], params:
         shape = (keep,) + shape[1:] if keep is not None else shape
     return TensorPlan(name, shape, first.src_dtype, [s.parts[0] for s in slices], kind=first.kind, cat_dim=dim,
                       part_shapes=shapes, keep_rows=keep, rule=f"{where}: tp {mode}")
+
+
+def _vocab_rows(name: str, t: TensorPlan, params: Mapping[str, Any], where: str) -> TensorPlan:
+    """``tp: vocab`` on a tensor given whole (a source that places its TP slices itself, Megatron's global
+    tensors): its first ``vocab_size`` rows, as a box of its chunks (a dim-0 byte copy, nothing assembled)."""
+    vocab = _value("{vocab_size}", params, where)
+    shape = tuple(t.shape)
+    if not shape or shape[0] <= vocab or t.keep_rows is not None or t.elem_range is not None or \
+            t.reduce is not None or t.replicas or t.tied_copies:
+        return dataclasses.replace(t, name=name)
+    out_shape = (vocab,) + shape[1:]
+    chunks = select_box(t.assembled_shape(), t.placement(), (0,) * len(shape), out_shape)
+    return TensorPlan.from_chunks(name, out_shape, t.src_dtype, chunks, kind=t.kind, rule=f"{where}: tp vocab")
 
 
 def _place(name: str, shape: Tuple[int, ...], views: Sequence[Tuple[_View, Tuple[int, ...]]], rule: Rule

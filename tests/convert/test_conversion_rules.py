@@ -194,3 +194,15 @@ def test_row_split_keeps_replica_checks_and_column_split_is_a_box(tmp_path):
         assert np.array_equal(_values(by["w_b"], files), w[1:])
         assert np.array_equal(_values(by["c_a"], files), w[:, :2])
         assert np.array_equal(_values(by["c_b"], files), w[:, 2:])
+
+
+def test_vocab_on_a_tensor_given_whole_keeps_the_first_rows_as_a_byte_copy(tmp_path):
+    # A source that places its TP slices itself (Megatron's global tensors) gives the padded tensor whole:
+    # 'tp': 'vocab' still drops the padding, as a box of its bytes (nothing assembled).
+    w = np.arange(24, dtype=np.float32).reshape(8, 3)  # 5 real rows padded to 8
+    rules = parse_rules({"params": ["vocab_size"],
+                         "rules": [{"match": "emb", "tp": "vocab", "to": "model.embed_tokens.weight"}]}, "v.json")
+    (out,) = apply_rules(rules, {"emb": _plan(tmp_path, "emb", w)}, {"vocab_size": 5}).tensors
+    assert out.shape == (5, 3) and out.is_byte_copy and _read(out) == 15
+    with MappedFiles() as files:
+        assert np.array_equal(_values(out, files), w[:5])

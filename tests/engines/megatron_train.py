@@ -49,6 +49,7 @@ LAYOUTS = {
     "tp2pp2": (2, 2, "llama"),
     "dp4": (1, 1, "llama"),
     "tp2-tied": (2, 1, "llama-tied"),
+    "tp2-qwen2": (2, 1, "qwen2"),  # q/k/v biases (add_qkv_bias): HF Qwen2
 }
 
 
@@ -57,11 +58,11 @@ def padded_vocab(tp):
     return -(-VOCAB // multiple) * multiple
 
 
-def transformer_config(tp, pp):
+def transformer_config(tp, pp, qkv_bias=False):
     return TransformerConfig(
         num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
         kv_channels=16, normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False, hidden_dropout=0.0,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=qkv_bias, hidden_dropout=0.0,
         attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, use_cpu_initialization=True, params_dtype=torch.float32,
@@ -69,8 +70,8 @@ def transformer_config(tp, pp):
         init_method_std=0.02, pipeline_dtype=torch.float32)
 
 
-def build(tp, pp, tied):
-    cfg = transformer_config(tp, pp)
+def build(tp, pp, tied, qkv_bias=False):
+    cfg = transformer_config(tp, pp, qkv_bias)
     torch.manual_seed(1234)  # the same full model whatever the layout (CPU init splits a master weight)
     model = GPTModel(
         config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
@@ -154,7 +155,7 @@ def saved_args(tp, pp, tied, cfg):
         num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels, max_position_embeddings=128,
         seq_length=16, position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0,
         use_rotary_position_embeddings=True, normalization="RMSNorm", norm_epsilon=cfg.layernorm_epsilon,
-        swiglu=True, add_bias_linear=False, add_qkv_bias=False, untie_embeddings_and_output_weights=not tied,
+        swiglu=True, add_bias_linear=False, add_qkv_bias=cfg.add_qkv_bias, untie_embeddings_and_output_weights=not tied,
         padded_vocab_size=padded_vocab(tp), vocab_size=VOCAB, make_vocab_size_divisible_by=DIVISIBLE_BY,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=1,
         data_parallel_size=parallel_state.get_data_parallel_world_size(), num_experts=None,
@@ -196,7 +197,7 @@ def run_layout(name, out):
     tied = variant.endswith("-tied")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    cfg, model = build(tp, pp, tied)
+    cfg, model = build(tp, pp, tied, qkv_bias=variant == "qwen2")
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     train_step(model, opt)
     base = out / name

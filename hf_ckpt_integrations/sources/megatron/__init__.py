@@ -30,7 +30,7 @@ OPTIONS = ()
 
 
 def detect(path: str, tag: Optional[str] = None) -> bool:
-    return tag is None and layout.iteration_dir(path) is not None
+    return tag is None and (layout.iteration_dir(path) is not None or layout.latest_problem(path) is not None)
 
 
 _GENERATED: Dict[str, str] = {}  # checkpoint dir -> the directory holding the config.json derived from its args
@@ -157,6 +157,8 @@ def _check_config(cfg: dict, args: Dict[str, Any], where: str) -> None:
 
 def plan(ctx) -> ExportPlan:
     it = layout.iteration_dir(ctx.path)
+    if it is None:
+        raise CheckpointError(layout.latest_problem(ctx.path) or f"{ctx.path}: no Megatron iteration directory")
     save = layout.read(it)
     args = save.args
     cfg = ctx.config if ctx.config_dir is not None else None
@@ -174,12 +176,14 @@ def plan(ctx) -> ExportPlan:
     if not isinstance(vocab, int):
         raise CheckpointError(f"{it}: the save records only the padded vocabulary size; pass --config DIR holding "
                               "the model's config.json (its vocab_size)")
-    tensors, padding, used = rules.apply(fam, save.tensors, vocab_size=vocab, heads=dims["num_attention_heads"],
-                                         groups=dims["num_key_value_heads"], head_dim=dims["head_dim"])
-    left = sorted(set(save.tensors) - set(used))
-    if left:
-        raise CheckpointError(f"{it}: holds model tensor(s) hf-ckpt has no {fam} rule for: {', '.join(left[:5])}; "
-                              "exporting without them would lose weights: please report it")
+    params = {"vocab_size": vocab, "num_query_groups": dims["num_key_value_heads"],
+              "q_rows": dims["num_attention_heads"] // dims["num_key_value_heads"] * dims["head_dim"],
+              "head_dim": dims["head_dim"], "ffn_hidden_size": dims["intermediate_size"]}
+    done = rules.apply(fam, save.tensors, params)
+    tensors = done.tensors
+    rows = {n: save.tensors[n].shape[0] for n in rules.VOCAB_TENSORS if n in save.tensors}
+    padding = {c["into"][0]: (rows[c["source"]], vocab) for c in done.conversions
+               if c["source"] in rows and rows[c["source"]] > vocab}
     if dims["tie_word_embeddings"] and "output_layer.weight" in save.tensors:
         raise CheckpointError(f"{it}: args say the embeddings are tied, yet output_layer.weight is saved")
     tp = _arg(args, "tensor_model_parallel_size", default=1)
@@ -198,4 +202,5 @@ def plan(ctx) -> ExportPlan:
                      dtypes={"module": dtypes.pop()} if len(dtypes) == 1 else {}, config_dir=ctx.config_dir,
                      files=save.files, notes=notes, detail=detail)
     out.padding_removed = padding
+    out.conversions = done.conversions
     return out

@@ -87,6 +87,34 @@ def iteration_dir(path: str) -> Optional[str]:
     return cand if _is_iter_dir(cand) else None
 
 
+def latest_problem(path: str) -> Optional[str]:
+    """Why ``path``'s ``latest_checkpointed_iteration.txt`` names no readable iteration directory although
+    ``path`` holds Megatron iteration directories (a corrupt or lying file): one ``error:`` message naming
+    the file and the fix; None when the file is fine, absent, or ``path`` holds no ``iter_NNNNNNN/`` (verl's
+    checkpoint root also has such a file, beside ``global_step_N/``)."""
+    if _is_iter_dir(path) or iteration_dir(path) is not None:
+        return None
+    latest = os.path.join(path, LATEST)
+    try:
+        names = sorted(n for n in os.listdir(path) if (ITER_RE.match(n) or n == "release") and
+                       _is_iter_dir(os.path.join(path, n)))
+        with open(latest, "rb") as fh:
+            raw = fh.read(65)
+    except OSError:
+        return None
+    if not names:
+        return None
+    text = raw[:64].decode("ascii", "replace").strip()
+    found = ", ".join(names[-3:])
+    if len(raw) > 64 or not (text == "release" or text.isdigit()):
+        return (f"{latest}: holds {short_repr(raw[:40])}, not an iteration number (Megatron writes e.g. '200'); the "
+                f"file is corrupt: pass an iteration directory ({found}) or write its number into the file")
+    name = "release" if text == "release" else f"iter_{int(text):07d}"
+    return (f"{latest}: names iteration {text}, but {os.path.join(path, name)} is not a complete iteration "
+            f"directory (there: {found}); the save was cut short or the file lies: pass an iteration directory "
+            "or fix the file")
+
+
 def _is_iter_dir(path: str) -> bool:
     base = os.path.basename(os.path.normpath(path))
     if not (ITER_RE.match(base) or base == "release") or not os.path.isdir(path):

@@ -1,7 +1,7 @@
 """Megatron-Core checkpoints -> HF (hf_ckpt_integrations/sources/megatron/, issue 37).
 
 Engine case ``megatron`` (tests/engines/megatron_train.py): real Megatron-Core 0.16.1 GPTModel saves on
-CPU/gloo, one 4-rank launch: TP 2, PP 2, TP 2 x PP 2, DP 4 and a tied TP 2 Llama, each in the torch_dist
+CPU/gloo, one 4-rank launch: TP 2, PP 2, TP 2 x PP 2, DP 4, a tied TP 2 Llama and a TP 2 Qwen2 (q/k/v biases), each in the torch_dist
 and the legacy ``mp_rank_*`` layout, beside Megatron's own fp32 logits on a fixed input. Every export
 loads with ``from_pretrained`` and gives those logits; both layouts export to the same bytes; ``verify``
 passes; hostile or lying files are refused by name.
@@ -28,7 +28,7 @@ from hf_ckpt_integrations.sources.megatron.rules import select_box
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                 reason="megatron-core (requirements/main.txt) builds the engine case")
 
-LAYOUTS = ("tp2", "pp2", "tp2pp2", "dp4", "tp2-tied")
+LAYOUTS = ("tp2", "pp2", "tp2pp2", "dp4", "tp2-tied", "tp2-qwen2")
 FORMATS = ("torch_dist", "legacy")
 ITER = "iter_0000001"
 
@@ -118,6 +118,11 @@ def test_export_gives_megatrons_logits(case, exports, lay, fmt):
     cfg = json.loads((exports(lay, fmt) / "config.json").read_text())  # derived from the saved args
     assert cfg["vocab_size"] == 1001 and cfg["num_hidden_layers"] == 4 and cfg["num_key_value_heads"] == 2
     assert cfg["tie_word_embeddings"] is lay.endswith("-tied")
+    assert cfg["model_type"] == ("qwen2" if lay.endswith("-qwen2") else "llama")
+    if lay.endswith("-qwen2"):  # the q/k/v biases (trained one step: not all zero) are in the export
+        sd = load_safetensors(exports(lay, fmt) / "model.safetensors")
+        assert sd["model.layers.0.self_attn.k_proj.bias"].shape == (32,)  # 2 query groups x 16
+        assert sd["model.layers.0.self_attn.q_proj.bias"].abs().sum() > 0
 
 
 @pytest.mark.parametrize("lay", LAYOUTS)
@@ -210,3 +215,16 @@ def test_legacy_missing_rank_directory_is_refused(case, tmp_path):
     src = _copy(case, "tp2pp2", "legacy", tmp_path)
     shutil.rmtree(src / ITER / "mp_rank_01_001")
     export_refused(src, tmp_path / "out", match=("mp_rank_01_001", "missing"))
+
+
+@pytest.mark.parametrize("text,match", [
+    (b"\x00\x13garbage", ("latest_checkpointed_iteration.txt", "not an iteration number", "iter_0000001")),
+    (b"7", ("latest_checkpointed_iteration.txt", "names iteration 7", "iter_0000007", "iter_0000001")),
+])
+def test_corrupt_or_lying_latest_file_is_refused_naming_it(case, tmp_path, text, match):
+    # not "no checkpoint found there": the save dir holds iter_NNNNNNN/, the file that points into it is wrong
+    src = _copy(case, "tp2", "torch_dist", tmp_path)
+    (src / "latest_checkpointed_iteration.txt").write_bytes(text)
+    export_refused(src, tmp_path / "out", match=match)
+    r = hf_ckpt("inspect", src)
+    assert r.returncode == 2 and match[1] in r.stderr, r.stderr[-2000:]
