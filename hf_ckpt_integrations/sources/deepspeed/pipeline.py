@@ -68,16 +68,7 @@ ROW_BIAS_NOTE = ("{n} row-parallel biases ({first}, ...) are written as each TP 
                  "the saved one did; at another TP size those biases count (new tp)/{tp} times as much "
                  "(docs: 'Pipeline parallelism')")
 LAYER_RE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
-_ANY__RULES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rules")
-# A row-parallel bias under the parallel residual is added by every TP rank, so the model's bias is
-# tp x the parameter: no single universal value keeps the function at every TP size (the loader copies
-# it to each rank). The parameter as trained is written; the user is told what changes.
-ROW_BIAS_NOTE = ("{n} row-parallel biases ({first}, ...) are written as each TP rank holds them (one copy, the "
-                 "others checked equal); with the parallel residual ({said}; GPT-NeoX's gpt_j_residual) every TP "
-                 "rank adds its copy, so the model adds tp x this bias: resumed at TP {tp} the model computes what "
-                 "the saved one did; at another TP size those biases count (new tp)/{tp} times as much "
-                 "(docs: 'Pipeline parallelism')")
-LAYER_RE = re.compile(r"^layer_\d+(?:-[a-z]+_\d+)*-model_states\.pt$")
+_ANY_LAYER_RE = re.compile(r"^layer_\d+(?:-[a-z]+_\d+)*-model_states\.pt$")
 
 
 def is_pipeline_tag(tag_dir: str) -> bool:
