@@ -14,7 +14,7 @@ from hf_ckpt_integrations.convert.tp_rules import Rule, merge_slices
 from hf_ckpt_integrations.errors import LayoutError
 from hf_ckpt_integrations.mapped_files import MappedFiles
 from hf_ckpt_integrations.plan import Piece, TensorPlan
-from hf_ckpt_integrations.sources.deepspeed.pipeline import builtin_rules, builtin_types
+from hf_ckpt_integrations.sources.deepspeed.pipeline_rules import builtin_rules, builtin_types
 
 INNER = ["input_layernorm.weight", "attention.query_key_value.weight", "attention.dense.bias", "mlp.linear2.weight",
          "attention.rotary_emb.inv_freq"]

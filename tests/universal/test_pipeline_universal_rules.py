@@ -6,7 +6,7 @@ import torch
 
 from hf_ckpt_integrations.convert import apply_rules
 from hf_ckpt_integrations.plan import Piece, TensorPlan
-from hf_ckpt_integrations.sources.deepspeed.pipeline import builtin_rules, universal_tp_rules
+from hf_ckpt_integrations.sources.deepspeed.pipeline_rules import builtin_rules, universal_tp_rules
 
 
 def _slices(tmp_path):

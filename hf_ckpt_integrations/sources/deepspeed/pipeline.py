@@ -25,24 +25,24 @@ byte-identical slices (one copy) — never concatenating a replica.
 import os
 import re
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ...errors import CheckpointError, LayoutError, short_repr
 from ...formats.torch_files import TensorRef
 from ...plan import ExportPlan, TensorPlan
 from ..protocol import PlanContext, SourceOption
 from .tp_merge import TP_RULES_OPTION
-from ...convert import RuleSet, apply_rules, load_rules, merge_tp, target_names
+from ...convert import apply_rules, load_rules, merge_tp, target_names
 from ...convert.tp_rules import Rule, all_identical, merge_slices, parse_user_rule, rule_from_universal_info, \
     rule_from_user
 from .allowlist import ALLOWED, load
+from .pipeline_rules import ROW_BIAS_NOTE, builtin_types, choose_rules, parallel_residual, universal_tp_rules
 from .fields import check_model_types, check_optim_types, meta_int, require, tensor_pieces
 from .rank_files import MODEL_RE, OPTIM_RE, claim, model_name, optim_name, resolve_tag_dir
 from .zero12 import plan_zero12
 
 __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "ALLOWED", "LAYER_RE", "detect", "needs_config", "config_candidates",
-           "plan", "universal_plan", "universal_files", "rank_files", "is_pipeline_tag", "UNIVERSAL", "builtin_rules",
-           "builtin_types", "universal_tp_rules", "parallel_residual", "split_native"]
+           "plan", "universal_plan", "universal_files", "rank_files", "is_pipeline_tag", "UNIVERSAL", "split_native"]
 
 NAME = "deepspeed-pipeline"
 LOOKS_FOR = "a DeepSpeed PipelineModule save (layer_XX[-model_YY]-model_states.pt beside mp_rank_XX files)"
@@ -58,15 +58,6 @@ OPTIONS = (
 )
 UNIVERSAL = True  # hf-ckpt universal writes a universal checkpoint of a pipeline save (SourceBase)
 
-_RULES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rules")
-# A row-parallel bias under the parallel residual is added by every TP rank, so the model's bias is
-# tp x the parameter: no single universal value keeps the function at every TP size (the loader copies
-# it to each rank). The parameter as trained is written; the user is told what changes.
-ROW_BIAS_NOTE = ("{n} row-parallel biases ({first}, ...) are written as each TP rank holds them (one copy, the "
-                 "others checked equal); with the parallel residual ({said}; GPT-NeoX's gpt_j_residual) every TP "
-                 "rank adds its copy, so the model adds tp x this bias: resumed at TP {tp} the model computes what "
-                 "the saved one did; at another TP size those biases count (new tp)/{tp} times as much "
-                 "(docs: 'Pipeline parallelism')")
 LAYER_RE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 _ANY_LAYER_RE = re.compile(r"^layer_\d+(?:-[a-z]+_\d+)*-model_states\.pt$")
 
@@ -339,7 +330,7 @@ def _plan(ctx: PlanContext, *, universal: bool) -> ExportPlan:
                               "files from different saves are mixed")
     names.sort(key=lambda n: split_native(n)[0])  # layer order, then each layer's own order
 
-    rules, map_note = _choose_rules(ctx)
+    rules, map_note = choose_rules(ctx)
     if universal and rules is None:
         map_note = ("no config.json and no name map: TP slices merge by the recorded universal_checkpoint_info, "
                     "--tp-rule or byte-identical slices only, and no row-parallel bias is recognised as one; pass "
@@ -431,30 +422,6 @@ def _plan(ctx: PlanContext, *, universal: bool) -> ExportPlan:
     return plan_
 
 
-def universal_tp_rules(rules: RuleSet, names: List[str]) -> Dict[str, Rule]:
-    """The TP rule, overriding the rules file's, of each of ``names`` whose rule says ``row_bias``, in a
-    universal checkpoint: the parameter every TP rank's module holds (one copy, the others checked
-    equal; the loader copies it to every rank), never the HF export's sum."""
-    out = {}
-    for n in names:
-        found = rules.find(n)
-        if found is not None and found[0].tp == "row_bias":
-            out[n] = Rule(None, f"{found[0].where}: row_bias, universal checkpoint: one copy (each TP rank's parameter)")
-    return out
-
-
-def parallel_residual(ctx: PlanContext) -> bool:
-    """The config's ``use_parallel_residual``: whether the TP ranks' row-parallel biases sum (the rules'
-    ``row_bias``); refused when the config does not say."""
-    value = ctx.config.get("use_parallel_residual") if ctx.config_dir else None
-    if not isinstance(value, bool):
-        where = f"{ctx.config_dir}/config.json" if ctx.config_dir else "the checkpoint"
-        raise CheckpointError(f"{where}: records no use_parallel_residual (true/false), which decides how the TP "
-                              "ranks' row-parallel biases merge (their sum, or one copy); pass --config DIR with the "
-                              "model's config.json")
-    return value
-
-
 def _check_against_config(tensors, config_dir) -> None:
     """The mapped names and shapes are exactly what ``save_pretrained`` of the config's model writes
     (its meta model's state dict, renamed by transformers' own save-time conversion): a map or a
@@ -488,39 +455,9 @@ def _stage_map_text(stage_of: Dict[int, int]) -> str:
     return "layers " + "; ".join(f"{', '.join(map(str, ls))} on stage {s}" for s, ls in sorted(by_stage.items()))
 
 
-def builtin_types() -> List[str]:
-    """The HF ``model_type`` values with a built-in rules file (``rules/<model_type>.json``)."""
-    return sorted(n[:-5] for n in os.listdir(_RULES_DIR) if n.endswith(".json"))
-
-
-def builtin_rules(model_type: Any) -> Optional[RuleSet]:
-    """The rules shipped for an HF ``model_type``; None when there are none."""
-    if not isinstance(model_type, str) or model_type not in builtin_types():
-        return None
-    return load_rules(os.path.join(_RULES_DIR, f"{model_type}.json"))
-
-
 def split_native(name: str) -> Tuple[int, str]:
     """``"3.attention.dense.weight"`` -> ``(3, "attention.dense.weight")``; ValueError otherwise."""
     head, sep, inner = name.partition(".")
     if not sep or not head.isdigit() or not inner:
         raise ValueError(f"{name!r} is not a pipeline parameter name ('<layer index>.<name inside the layer>')")
     return int(head), inner
-
-
-def _choose_rules(ctx: PlanContext) -> Tuple[Optional[RuleSet], Optional[str]]:
-    user = ctx.option("name_map")
-    if user is not None:
-        return user, f"names from {user.source}"
-    if ctx.config_dir is None:
-        return None, ("no config.json: the native pipeline names ('<layer>.<name>') are exported, merged over TP; "
-                      "pass --config DIR (an HF config of a model type with built-in rules: "
-                      f"{', '.join(builtin_types())}) or --source-option name_map=FILE for HF names")
-    model_type = ctx.config.get("model_type")
-    m = builtin_rules(model_type)
-    if m is None:
-        raise CheckpointError(f"{ctx.config_dir}/config.json: model_type {short_repr(model_type)} has no built-in "
-                              f"pipeline rules (rules: {', '.join(builtin_types())}); pass --source-option "
-                              "name_map=FILE, a rules file mapping the pipeline's names to this model's (docs: "
-                              "'Pipeline parallelism')")
-    return m, f"names from {m.source}"
