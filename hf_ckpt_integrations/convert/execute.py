@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from ..errors import LayoutError
 from ..plan import Chunk, TensorPlan, select_box
 from .tp_rules import Rule as TpRule, concat_shape, merge_slices, rule_from_tp
-from .rules import _VAR, Rule, RuleSet, Size, fill
+from .rules import Rule, RuleSet, Size, fill, variables
 
 __all__ = ["TRANSPOSE_LIMIT", "Converted", "apply_rules", "merge_tp", "target_names"]
 
@@ -205,7 +205,7 @@ def _variables(rule: Rule, name: str, groups: Dict[str, str], rules: RuleSet, ta
                ) -> Dict[str, Any]:
     """The match's groups plus the numbered variables the rule's templates use, for the source ``name``."""
     values: Dict[str, Any] = dict(groups)
-    used = {v for t in rule.to + (rule.concat.with_ if rule.concat else ()) for v in _VAR.findall(t)}
+    used = {v for t in rule.to + (rule.concat.with_ if rule.concat else ()) for v in variables(t)}
     for n in rules.numbers:
         if n.var not in used or n.group not in groups:
             continue

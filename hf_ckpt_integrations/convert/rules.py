@@ -17,7 +17,7 @@ from .. import guards
 from ..errors import CheckpointError
 
 __all__ = ["FORMAT", "TP_VALUES", "RuleError", "Split", "Concat", "Rule", "Numbering", "RuleSet", "parse_rules",
-           "load_rules", "fill"]
+           "load_rules", "fill", "variables"]
 
 FORMAT = 1
 # How the tensor-parallel slices of one tensor merge: concatenated along dim 0 / 1, one copy (the others
@@ -119,6 +119,11 @@ class RuleSet:
             if m is not None:
                 return rule, {k: v for k, v in m.groupdict().items() if v is not None}
         return None
+
+
+def variables(template: str) -> List[str]:
+    """The ``{name}`` variables ``template`` uses, in order."""
+    return _VAR.findall(template)
 
 
 def fill(template: str, values: Mapping[str, Any]) -> str:
