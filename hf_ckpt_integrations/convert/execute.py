@@ -18,10 +18,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import LayoutError
 from ..plan import Chunk, TensorPlan, select_box
-from .tp_rules import concat_shape
-from .rules import Rule, RuleSet, Size, fill
+from .tp_rules import Rule as TpRule, concat_shape, merge_slices, rule_from_tp
+from .rules import Rule, RuleSet, Size, fill, variables
 
-__all__ = ["TRANSPOSE_LIMIT", "Converted", "apply_rules", "merge_tp"]
+__all__ = ["TRANSPOSE_LIMIT", "Converted", "apply_rules", "merge_tp", "target_names"]
 
 TRANSPOSE_LIMIT = 1 << 20
 Slices = Union[TensorPlan, Sequence[TensorPlan]]
@@ -88,42 +88,19 @@ def _value(size: Size, params: Mapping[str, Any], where: str) -> int:
 
 
 def merge_tp(name: str, slices: Sequence[TensorPlan], tp: Optional[str], params: Mapping[str, Any],
-             where: str) -> TensorPlan:
-    """The TP slices of one tensor (rank order) merged by ``tp`` (:data:`~.rules.TP_VALUES`) into one plan
-    named ``name``. One slice: itself, renamed."""
-    first = slices[0]
-    if len(slices) == 1 and tp == "vocab":
-        return _vocab_rows(name, first, params, where)
+             where: str, override: Optional[TpRule] = None) -> TensorPlan:
+    """The TP slices of one tensor (rank order) merged into one plan named ``name`` by ``override`` (a TP
+    rule the source took from elsewhere: the checkpoint's own record, ``--tp-rule``), else by the rule's
+    ``tp`` (:data:`~.rules.TP_VALUES`), through :func:`.tp_rules.merge_slices`. One slice: itself, renamed,
+    except ``tp: vocab`` on a tensor given whole, which keeps its first ``vocab_size`` rows."""
+    if len(slices) == 1 and tp == "vocab" and override is None:
+        return _vocab_rows(name, slices[0], params, where)
     if len(slices) == 1:
-        return dataclasses.replace(first, name=name)
-    shapes = [tuple(s.shape) for s in slices]
-    mode = tp
-    if tp == "row_bias":
-        mode = "sum" if params.get("parallel_residual") else "replicated"
-    if mode in ("replicated", "sum"):
-        if any(s != shapes[0] for s in shapes):
-            raise LayoutError(f"{name}: {where} merges its TP slices as {mode}, but they hold shapes "
-                              f"{[list(s) for s in shapes]}; fix the rule")
-        if mode == "sum":
-            return TensorPlan(name, first.shape, first.src_dtype, [s.parts[0] for s in slices], kind=first.kind,
-                              part_shapes=[shapes[0]] * len(slices), reduce="sum", rule=f"{where}: tp sum")
-        return TensorPlan(name, first.shape, first.src_dtype, first.parts, kind=first.kind,
-                          rule=f"{where}: tp replicated", replicas=[s.parts[0] for s in slices[1:]],
-                          module_check=first.module_check)
-    if mode not in ("0", "1", "vocab"):
+        return merge_slices(name, slices, None, "fix the rule")
+    rule = override or rule_from_tp(tp, where, params)
+    if rule is None:
         raise LayoutError(f"{name}: {len(slices)} TP slices and {where} gives no 'tp'; add one to the rule")
-    dim = 1 if mode == "1" else 0
-    try:
-        shape = concat_shape(shapes, dim)
-    except ValueError as e:
-        raise LayoutError(f"{name}: {e} ({where}); fix the rule") from None
-    keep = None
-    if mode == "vocab":
-        vocab = _value("{vocab_size}", params, where)
-        keep = vocab if shape[0] > vocab else None
-        shape = (keep,) + shape[1:] if keep is not None else shape
-    return TensorPlan(name, shape, first.src_dtype, [s.parts[0] for s in slices], kind=first.kind, cat_dim=dim,
-                      part_shapes=shapes, keep_rows=keep, rule=f"{where}: tp {mode}")
+    return merge_slices(name, slices, rule, "fix the rule")
 
 
 def _vocab_rows(name: str, t: TensorPlan, params: Mapping[str, Any], where: str) -> TensorPlan:
@@ -235,13 +212,53 @@ def _outputs(rule: Rule, view: _View, values: Dict[str, Any], params: Mapping[st
     return out
 
 
-def apply_rules(rules: RuleSet, tensors: Mapping[str, Slices], params: Optional[Mapping[str, Any]] = None
-                ) -> Converted:
+def _bindings(rules: RuleSet, names: Sequence[str]) -> Dict[str, Dict[str, int]]:
+    """Per numbered variable (:class:`~.rules.Numbering`), its table over the source ``names``."""
+    return {n.var: n.table(names) for n in rules.numbers}
+
+
+def _variables(rule: Rule, name: str, groups: Dict[str, str], rules: RuleSet, tables: Mapping[str, Mapping[str, int]]
+               ) -> Dict[str, Any]:
+    """The match's groups plus the numbered variables the rule's templates use, for the source ``name``."""
+    values: Dict[str, Any] = dict(groups)
+    used = {v for t in rule.to + (rule.concat.with_ if rule.concat else ()) for v in variables(t)}
+    for n in rules.numbers:
+        if n.var not in used or n.group not in groups:
+            continue
+        number = tables[n.var].get(groups[n.group])
+        if number is None:
+            raise LayoutError(f"{name}: {rule.where} names its {n.var} number, but no tensor of the checkpoint matching "
+                              f"{n.among.pattern!r} has {n.group} {groups[n.group]}; fix the rules file "
+                              "(or the checkpoint is incomplete)")
+        values[n.var] = number
+    return values
+
+
+def target_names(rules: RuleSet, names: Sequence[str], params: Optional[Mapping[str, Any]] = None
+                 ) -> Dict[str, str]:
+    """The output name of each of ``names`` that a rename rule (no split, unstack or concat) converts:
+    what a source matches a user's own TP rules against before :func:`apply_rules` runs."""
+    params = dict(params or {})
+    tables = _bindings(rules, names)
+    out = {}
+    for name in names:
+        found = rules.find(name)
+        if found is None or found[0].drop is not None or found[0].split or found[0].unstack or found[0].concat:
+            continue
+        rule, groups = found
+        out[name] = fill(rule.to[0], {**params, **_variables(rule, name, groups, rules, tables)})
+    return out
+
+
+def apply_rules(rules: RuleSet, tensors: Mapping[str, Slices], params: Optional[Mapping[str, Any]] = None,
+                tp: Optional[Mapping[str, TpRule]] = None) -> Converted:
     """Convert ``tensors`` (source name -> its plan, or its TP slices in rank order) by ``rules``.
 
     Per source name, in order: the first matching rule; its TP merge, unstack, concat (the named
     partners consumed), split, transpose; output names filled from the match's named groups, the
-    unstacked index and ``params``. Raises :class:`~..errors.LayoutError` naming the tensor and the
+    unstacked index, the numbered variables (the rules' ``number``) and ``params``. ``tp``: per source
+    name a TP rule the source took from elsewhere (the checkpoint's record, the user's), which merges
+    its slices instead of the rule's ``tp``. Raises :class:`~..errors.LayoutError` naming the tensor and the
     rule where one does not fit (a name no rule matches under ``"unmatched": "refuse"``, a split
     that does not add up, a partner missing, two rules writing one name)."""
     params = dict(params or {})
@@ -252,22 +269,26 @@ def apply_rules(rules: RuleSet, tensors: Mapping[str, Slices], params: Optional[
     dropped: Dict[str, str] = {}
     conversions: List[dict] = []
     consumed = set()
+    tp = tp or {}
+    tables = _bindings(rules, list(tensors))
     for name in tensors:
         if name in consumed:
             continue
         found = rules.find(name)
         if found is None:
             if rules.unmatched == "keep":
-                out.append(merge_tp(name, _as_slices(tensors[name]), None, params, rules.source))
+                out.append(merge_tp(name, _as_slices(tensors[name]), None, params, rules.source, tp.get(name)))
                 continue
             raise LayoutError(f"{name}: no rule of {rules.source} matches it; the checkpoint holds a tensor the "
                               f"{rules.family or ''} rules do not know: add a rule (docs: conversions)")
         rule, groups = found
+        if rule.drop is None:
+            groups = _variables(rule, name, groups, rules, tables)
         if rule.drop is not None:
             dropped[name] = rule.drop
             conversions.append({"source": name, "into": [], "op": f"drop: {rule.drop}", "rule": rule.where})
             continue
-        src = merge_tp(name, _as_slices(tensors[name]), rule.tp, params, rule.where)
+        src = merge_tp(name, _as_slices(tensors[name]), rule.tp, params, rule.where, tp.get(name))
         view = _View.whole(src)
         if rule.concat is not None:
             views, at = [(view, 0)], view.shape[rule.concat.dim]
@@ -278,7 +299,8 @@ def apply_rules(rules: RuleSet, tensors: Mapping[str, Slices], params: Optional[
                                       "does not hold (or another rule took); the checkpoint is incomplete or the rule "
                                       "is wrong")
                 consumed.add(partner)
-                partner_plan = merge_tp(partner, _as_slices(tensors[partner]), rule.tp, params, rule.where)
+                partner_plan = merge_tp(partner, _as_slices(tensors[partner]), rule.tp, params, rule.where,
+                                        tp.get(partner))
                 views.append((_View.whole(partner_plan), at))
                 at += views[-1][0].shape[rule.concat.dim]
             dim = rule.concat.dim

@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from .. import guards
 from ..errors import CheckpointError
 
-__all__ = ["FORMAT", "TP_VALUES", "RuleError", "Split", "Concat", "Rule", "RuleSet", "parse_rules", "load_rules",
-           "fill"]
+__all__ = ["FORMAT", "TP_VALUES", "RuleError", "Split", "Concat", "Rule", "Numbering", "RuleSet", "parse_rules",
+           "load_rules", "fill", "variables"]
 
 FORMAT = 1
 # How the tensor-parallel slices of one tensor merge: concatenated along dim 0 / 1, one copy (the others
@@ -27,7 +27,7 @@ TP_VALUES = ("0", "1", "replicated", "vocab", "sum", "row_bias")
 _MAX_BYTES = 1 << 20
 _VAR = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _RULE_KEYS = {"match", "to", "unstack", "split", "transpose", "concat", "tp", "drop", "comment"}
-_TOP_KEYS = {"format", "engine", "family", "reference", "params", "unmatched", "rules", "comment"}
+_TOP_KEYS = {"format", "engine", "family", "reference", "params", "number", "unmatched", "rules", "comment"}
 
 Size = Union[int, str]  # an element count, or "{param}" given by the source when the rules run
 
@@ -76,6 +76,28 @@ class Rule:
 
 
 @dataclass(frozen=True)
+class Numbering:
+    """A variable numbered from the checkpoint's names (the top-level ``number``): ``var`` of a source
+    name is the rank, in integer order from 0, of its ``group`` value among the ``group`` values of
+    the source names ``among`` matches whole. (A pipeline's transformer block: the rank of its layer
+    index among the layers that hold a QKV weight.)"""
+
+    var: str
+    group: str
+    among: "re.Pattern[str]"
+
+    def table(self, names: Sequence[str]) -> Dict[str, int]:
+        """``group`` value -> number, over the source ``names``."""
+        values = set()
+        for n in names:
+            m = self.among.fullmatch(n)
+            if m is not None and m.group(self.group) is not None:
+                values.add(m.group(self.group))
+        ordered = sorted(values, key=lambda v: (int(v), v) if v.isdigit() else (-1, v))
+        return {v: i for i, v in enumerate(ordered)}
+
+
+@dataclass(frozen=True)
 class RuleSet:
     """A parsed rules file. ``params``: the names the source supplies when the rules run (sizes that
     depend on the config: head counts, the vocabulary size). ``unmatched``: ``"refuse"`` (a name no
@@ -88,6 +110,7 @@ class RuleSet:
     params: Tuple[str, ...]
     unmatched: str
     rules: Tuple[Rule, ...]
+    numbers: Tuple[Numbering, ...] = ()
 
     def find(self, name: str) -> Optional[Tuple[Rule, Dict[str, str]]]:
         """The first rule whose pattern matches ``name`` whole, with its named groups; None when none does."""
@@ -96,6 +119,11 @@ class RuleSet:
             if m is not None:
                 return rule, {k: v for k, v in m.groupdict().items() if v is not None}
         return None
+
+
+def variables(template: str) -> List[str]:
+    """The ``{name}`` variables ``template`` uses, in order."""
+    return _VAR.findall(template)
 
 
 def fill(template: str, values: Mapping[str, Any]) -> str:
@@ -130,7 +158,31 @@ def _templates(value: Any, where: str) -> Tuple[str, ...]:
     return tuple(items)
 
 
-def _rule(i: int, obj: Any, source: str, params: Sequence[str]) -> Rule:
+def _numbers(obj: Any, source: str, params: Sequence[str]) -> Tuple[Numbering, ...]:
+    if obj is None:
+        return ()
+    if not isinstance(obj, dict):
+        raise RuleError(f"{source}: 'number' is {{'var': {{'group': G, 'among': REGEX}}}}; fix the rules file")
+    out = []
+    for var, spec in obj.items():
+        where = f"{source}: number[{var!r}]"
+        if not re.fullmatch(r"[A-Za-z_]\w*", var) or var in params:
+            raise RuleError(f"{where}: a numbered variable is an identifier that is not a param; fix the rules file")
+        if not isinstance(spec, dict) or set(spec) != {"group", "among"} or not isinstance(spec["group"], str) or \
+                not isinstance(spec["among"], str):
+            raise RuleError(f"{where}: is {{'group': G, 'among': REGEX}} (strings); fix the rules file")
+        try:
+            among = re.compile(spec["among"])
+        except re.error as e:
+            raise RuleError(f"{where}: 'among' is not a regex ({e}); fix the rules file") from None
+        if spec["group"] not in among.groupindex:
+            raise RuleError(f"{where}: 'among' {spec['among']!r} has no named group {spec['group']!r}; "
+                            "fix the rules file")
+        out.append(Numbering(var, spec["group"], among))
+    return tuple(out)
+
+
+def _rule(i: int, obj: Any, source: str, params: Sequence[str], numbers: Sequence[Numbering] = ()) -> Rule:
     pattern = obj.get("match") if isinstance(obj, dict) else None
     where = f"{source}: rules[{i}]" + (f" (match {pattern!r})" if isinstance(pattern, str) else "")
     if not isinstance(obj, dict):
@@ -191,12 +243,14 @@ def _rule(i: int, obj: Any, source: str, params: Sequence[str]) -> Rule:
                 not all(type(p) is int for p in perm):
             raise RuleError(f"{where}: 'transpose' is a permutation of the dims, e.g. [1, 0]; fix the rules file")
         transpose = tuple(perm)
-    known = set(match.groupindex) | set(params) | ({unstack} if unstack else set())
+    # a numbered variable is known to a rule whose match has the group it numbers
+    numbered = {n.var for n in numbers if n.group in match.groupindex}
+    known = set(match.groupindex) | set(params) | ({unstack} if unstack else set()) | numbered
     for t in to + (concat.with_ if concat else ()):
         missing = [v for v in _VAR.findall(t) if v not in known]
         if missing:
             raise RuleError(f"{where}: {t!r} uses {missing}, which neither the match's named groups, "
-                            f"'unstack' nor 'params' define; fix the rules file")
+                            f"'unstack', 'params' nor 'number' (on a group the match has) define; fix the rules file")
     return Rule(i, where, match, to, unstack, split, transpose, concat, tp)
 
 
@@ -217,8 +271,10 @@ def parse_rules(obj: Any, source: str) -> RuleSet:
     if unmatched not in ("refuse", "keep"):
         raise RuleError(f"{source}: 'unmatched' is 'refuse' or 'keep', not {unmatched!r}; fix the rules file")
     text = {k: obj.get(k) if isinstance(obj.get(k), str) else None for k in ("engine", "family", "reference")}
-    rules = tuple(_rule(i, r, source, params) for i, r in enumerate(obj["rules"]))
-    return RuleSet(source, text["engine"], text["family"], text["reference"], tuple(params), unmatched, rules)
+    numbers = _numbers(obj.get("number"), source, params)
+    rules = tuple(_rule(i, r, source, params, numbers) for i, r in enumerate(obj["rules"]))
+    return RuleSet(source, text["engine"], text["family"], text["reference"], tuple(params), unmatched, rules,
+                   numbers)
 
 
 def load_rules(path: str) -> RuleSet:

@@ -16,24 +16,92 @@ these that speaks decides (the ``source`` is reported by ``inspect``):
 
 import fnmatch
 import re
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ..errors import LayoutError
+from ..plan import TensorPlan
 
 __all__ = ["REPLICATED", "Rule", "parse_user_rule", "rule_from_universal_info", "rule_from_hf_plan",
-           "rule_from_user"]
+           "rule_from_user", "rule_from_tp", "merge_slices", "resolve_rule", "all_identical", "concat_shape"]
 
 REPLICATED = "replicated"
 
 
 @dataclass(frozen=True)
 class Rule:
-    dim: Optional[int]  # None = replicated
+    """How the TP slices of one tensor merge: concatenated along ``dim``, one copy (``dim`` None: the
+    others checked equal) or, with ``reduce="sum"``, added element-wise in rank order. ``source``:
+    where the rule came from (``inspect`` shows it); ``keep_rows``: vocabulary padding to drop."""
+
+    dim: Optional[int]  # None = replicated (or summed, with reduce)
     source: str
     keep_rows: Optional[int] = None  # vocabulary padding to drop after merging
+    reduce: Optional[str] = None  # "sum": every slice is the whole tensor and the output is their sum
 
     @property
     def replicated(self) -> bool:
-        return self.dim is None
+        return self.dim is None and self.reduce is None
+
+
+def rule_from_tp(tp: Optional[str], source: str, params: Mapping[str, Any]) -> Optional[Rule]:
+    """A rules file's ``tp`` value (:data:`.rules.TP_VALUES`) as a :class:`Rule`; None for no ``tp``.
+    ``vocab`` keeps the ``vocab_size`` param's rows; ``row_bias`` sums when the ``parallel_residual``
+    param is true, else keeps one copy."""
+    if tp is None:
+        return None
+    mode = tp
+    if tp == "row_bias":
+        mode = "sum" if params.get("parallel_residual") else REPLICATED
+    text = f"{source}: tp {mode}"
+    if mode == "sum":
+        return Rule(None, text, reduce="sum")
+    if mode == REPLICATED:
+        return Rule(None, text)
+    if mode == "vocab":
+        vocab = params.get("vocab_size")
+        if type(vocab) is not int or vocab <= 0:
+            raise LayoutError(f"{source}: needs the param 'vocab_size' as a positive integer, the source gave "
+                              f"{vocab!r}; please report this with `hf-ckpt inspect --json`")
+        return Rule(0, text, vocab)
+    return Rule(int(mode), text)
+
+
+def merge_slices(name: str, slices: Sequence[TensorPlan], rule: Optional[Rule], fix: str) -> TensorPlan:
+    """The TP slices of one tensor (rank order) merged by ``rule`` into one plan named ``name``: the one
+    merge every source's TP slices go through. One slice: itself, renamed. A concatenation keeps each
+    slice's module-copy check part by part, and drops vocabulary padding (``keep_rows``). ``fix``: what
+    the user does when the slices do not fit the rule (ends every refusal)."""
+    first = slices[0]
+    if len(slices) == 1:
+        return replace(first, name=name)
+    if rule is None:
+        raise LayoutError(f"{name}: {len(slices)} TP slices and no rule says how they merge; {fix}")
+    shapes = [tuple(s.shape) for s in slices]
+    if rule.dim is None:
+        what = "a sum of the slices" if rule.reduce == "sum" else "replicated"
+        if any(s != shapes[0] for s in shapes):
+            raise LayoutError(f"{name}: merged as {what} ({rule.source}), but its {len(slices)} TP slices hold "
+                              f"shapes {[list(s) for s in shapes]}; {fix}")
+        if rule.reduce == "sum":
+            # e.g. a row-parallel bias under the parallel residual: each rank adds its bias before the
+            # all-reduce, so the model's bias is the sum over ranks (added in rank order by the writer).
+            return TensorPlan(name, first.shape, first.src_dtype, [s.parts[0] for s in slices], kind=first.kind,
+                              part_shapes=[shapes[0]] * len(slices), reduce="sum", rule=rule.source)
+        return TensorPlan(name, first.shape, first.src_dtype, first.parts, kind=first.kind, rule=rule.source,
+                          replicas=[s.parts[0] for s in slices[1:]], module_check=first.module_check)
+    try:
+        shape = concat_shape(shapes, rule.dim)
+    except ValueError as e:
+        raise LayoutError(f"{name}: {e} (rule from {rule.source}); {fix}") from None
+    keep = rule.keep_rows if rule.keep_rows is not None and shape[0] > rule.keep_rows else None
+    if keep is not None:
+        shape = (keep,) + shape[1:]
+    check = None
+    if all(s.module_check is not None for s in slices):  # part by part, as the slices were saved
+        check = ([s.module_check[0][0] for s in slices], [s.module_check[1][0] for s in slices])
+    return TensorPlan(name, shape, first.src_dtype, [s.parts[0] for s in slices], kind=first.kind, cat_dim=rule.dim,
+                      part_shapes=shapes, keep_rows=keep, rule=rule.source, module_check=check)
 
 
 def parse_user_rule(text: str) -> Tuple[str, Optional[int]]:
@@ -121,7 +189,49 @@ def hf_plans_for(config_dir: str, cfg: Optional[dict] = None):
     return plans, shapes, embeddings
 
 
-def concat_shape(shapes: List[Tuple[int, ...]], dim: int) -> Tuple[int, ...]:
+def all_identical(slices: Mapping[str, Sequence[TensorPlan]]) -> bool:
+    """Every tensor's slices (name -> slices) of one shape and byte-identical (read from their files)."""
+    from ..assemble import check_replicas
+    from ..mapped_files import MappedFiles
+
+    with MappedFiles() as files:
+        for n, ss in slices.items():
+            if any(s.shape != ss[0].shape for s in ss):
+                return False
+            try:
+                check_replicas(TensorPlan(n, ss[0].shape, ss[0].src_dtype, ss[0].parts,
+                                          replicas=[s.parts[0] for s in ss[1:]]), files)
+            except LayoutError:
+                return False
+    return True
+
+
+def resolve_rule(name: str, ss: Sequence[TensorPlan], info: Optional[dict], hf_plans: Dict[str, str],
+                 embeddings: Sequence[str], user_rules: Sequence[Tuple[str, Optional[int]]],
+                 full: Mapping[str, Tuple[int, ...]]) -> Rule:
+    """The rule for ``name``'s model-parallel slices ``ss``: the first of the module docstring's list that
+    speaks; :class:`LayoutError` naming the ``--tp-rule`` to pass when none does."""
+    rule = rule_from_universal_info(name, info) if info is not None else None
+    rule = rule or (rule_from_hf_plan(name, hf_plans, embeddings) if hf_plans else None)
+    rule = rule or rule_from_user(name, user_rules)
+    if rule is None and name in full and all(s.shape == full[name] for s in ss):
+        rule = Rule(None, "each slice has the full shape from config.json")
+    if rule is None and all_identical({name: ss}):
+        rule = Rule(None, "slices are byte-identical")
+    if rule is None:
+        hint = ""
+        if name in full:
+            dims = [d for d in range(len(full[name])) if len(ss[0].shape) == len(full[name]) and
+                    sum(s.shape[d] for s in ss) == full[name][d]]
+            if len(dims) == 1:
+                hint = f" (config.json's full shape {list(full[name])} suggests dim {dims[0]})"
+        raise LayoutError(f"{name}: its {len(ss)} model-parallel slices {[list(s.shape) for s in ss]} differ and no "
+                          "rule covers it (no universal_checkpoint_info, not in the HF tp plan); pass "
+                          f"--tp-rule '{name}=0' (split rows), '=1' (split columns) or '=replicated'{hint}")
+    return rule
+
+
+def concat_shape(shapes: Sequence[Tuple[int, ...]], dim: int) -> Tuple[int, ...]:
     first = list(shapes[0])
     if any(len(s) != len(first) or any(a != b for i, (a, b) in enumerate(zip(s, first)) if i != dim)
            for s in shapes):

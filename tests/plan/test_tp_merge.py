@@ -5,7 +5,7 @@ import pytest
 
 from hf_ckpt_integrations.errors import LayoutError
 from hf_ckpt_integrations.plan import Piece, TensorPlan
-from hf_ckpt_integrations.sources.deepspeed.tp_merge import resolve_rule
+from hf_ckpt_integrations.convert.tp_rules import resolve_rule
 from hf_ckpt_integrations.convert.tp_rules import parse_user_rule
 
 

@@ -4,9 +4,9 @@ others checked) where the HF export of a parallel-residual model sums it."""
 
 import torch
 
+from hf_ckpt_integrations.convert import apply_rules
 from hf_ckpt_integrations.plan import Piece, TensorPlan
-from hf_ckpt_integrations.sources.deepspeed import name_map as nm
-from hf_ckpt_integrations.sources.deepspeed import pipeline_tp
+from hf_ckpt_integrations.sources.deepspeed.pipeline_rules import builtin_rules, universal_tp_rules
 
 
 def _slices(tmp_path):
@@ -17,10 +17,13 @@ def _slices(tmp_path):
 
 
 def test_a_row_bias_is_summed_for_hf_and_kept_per_rank_for_universal(tmp_path):
-    m = nm.builtin_map("gpt_neox")
-    args = ("gpt_neox.layers.0.attention.dense.bias", "2.attention.dense.bias", _slices(tmp_path))
-    hf = pipeline_tp.merge_slices(*args, nm.ROW_BIAS, True, None, [], m)
-    assert hf.reduce == "sum" and len(hf.parts) == 2
-    uc = pipeline_tp.merge_slices(*args, pipeline_tp.UNIVERSAL_ROW_BIAS, True, None, [], m)
+    rules = builtin_rules("gpt_neox")
+    names = ["2.attention.query_key_value.weight", "2.attention.dense.bias"]
+    qkv = [TensorPlan(names[0], (3,), "F32", s.parts) for s in _slices(tmp_path)]
+    tensors = {names[0]: qkv, names[1]: _slices(tmp_path)}
+    _, hf = apply_rules(rules, tensors, {"parallel_residual": True}).tensors
+    assert hf.reduce == "sum" and len(hf.parts) == 2 and hf.name == "gpt_neox.layers.0.attention.dense.bias"
+    overrides = universal_tp_rules(rules, names)
+    _, uc = apply_rules(rules, tensors, {"parallel_residual": True}, overrides).tensors
     assert uc.reduce is None and len(uc.parts) == 1 and len(uc.replicas) == 1 and uc.shape == (3,)
     assert "universal checkpoint: one copy" in uc.rule

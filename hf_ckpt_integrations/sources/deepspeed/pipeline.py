@@ -15,31 +15,34 @@ What ``engine.save_checkpoint`` writes for a ``PipelineModule`` (DeepSpeed 0.19.
   ``zero_stage``). Without them (fp32, no ZeRO) the layer files are the weights.
 
 The masters are placed by :mod:`.zero12` (every partition proven against the layer files'
-weights), TP slices are merged by rules (:mod:`.pipeline_tp`: the checkpoint's
-``universal_checkpoint_info``, the name map's ``tp``, ``--tp-rule``, or byte-identical slices: one
-copy), never concatenating a replica, and renamed to HF names by the map the HF config's ``model_type`` chooses (:mod:`.name_map`).
+weights). Names and TP merges are conversion rules (``rules/<model_type>.json``, chosen by the HF
+config's ``model_type``, or ``--source-option name_map=FILE``; docs/conversions.md) run by
+:func:`...convert.apply_rules`; a TP merge the checkpoint's ``universal_checkpoint_info`` records
+overrides the rules' ``tp``, and a parameter whose rule gives none merges by ``--tp-rule`` or as
+byte-identical slices (one copy) — never concatenating a replica.
 """
 
 import os
 import re
 from collections import OrderedDict
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ...errors import CheckpointError, LayoutError, short_repr
 from ...formats.torch_files import TensorRef
 from ...plan import ExportPlan, TensorPlan
 from ..protocol import PlanContext, SourceOption
 from .tp_merge import TP_RULES_OPTION
-from ...convert.tp_rules import parse_user_rule
+from ...convert import apply_rules, load_rules, merge_tp, target_names
+from ...convert.tp_rules import Rule, all_identical, merge_slices, parse_user_rule, rule_from_universal_info, \
+    rule_from_user
 from .allowlist import ALLOWED, load
+from .pipeline_rules import ROW_BIAS_NOTE, builtin_types, choose_rules, parallel_residual, universal_tp_rules
 from .fields import check_model_types, check_optim_types, meta_int, require, tensor_pieces
-from .name_map import ROW_BIAS, builtin_map, builtin_types, load_map, split_native
-from .pipeline_tp import ROW_BIAS_NOTE, UNIVERSAL_ROW_BIAS, merge_slices, parallel_residual
 from .rank_files import MODEL_RE, OPTIM_RE, claim, model_name, optim_name, resolve_tag_dir
 from .zero12 import plan_zero12
 
 __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "OPTIONS", "ALLOWED", "LAYER_RE", "detect", "needs_config", "config_candidates",
-           "plan", "universal_plan", "universal_files", "rank_files", "is_pipeline_tag", "UNIVERSAL"]
+           "plan", "universal_plan", "universal_files", "rank_files", "is_pipeline_tag", "UNIVERSAL", "split_native"]
 
 NAME = "deepspeed-pipeline"
 LOOKS_FOR = "a DeepSpeed PipelineModule save (layer_XX[-model_YY]-model_states.pt beside mp_rank_XX files)"
@@ -48,9 +51,9 @@ LOOKS_FOR = "a DeepSpeed PipelineModule save (layer_XX[-model_YY]-model_states.p
 # tied-weight and Hub-layout passes do not apply (tied modules are refused).
 MEMORY_NAMES = False
 OPTIONS = (
-    SourceOption("name_map", "FILE: a JSON name map from pipeline parameter names to HF names and TP rules "
-                 "(docs: 'Pipeline parallelism'); default: the built-in map of config.json's model_type",
-                 parse=load_map),
+    SourceOption("name_map", "FILE: a conversion rules file (docs: conversions) from pipeline parameter names "
+                 "to HF names and TP merges (docs: 'Pipeline parallelism'); default: the built-in rules of "
+                 "config.json's model_type", parse=load_rules),
     TP_RULES_OPTION,
 )
 UNIVERSAL = True  # hf-ckpt universal writes a universal checkpoint of a pipeline save (SourceBase)
@@ -213,7 +216,7 @@ def _whole(ref: TensorRef, path: str, name: str):
 def plan(ctx: PlanContext) -> ExportPlan:
     """Plan the export of a pipeline-parallel DeepSpeed save (see the module docstring).
 
-    Options: ``name_map`` (a :class:`.name_map.NameMap` from ``--source-option name_map=FILE``),
+    Options: ``name_map`` (a :class:`~...convert.RuleSet` from ``--source-option name_map=FILE``),
     ``tp_rules`` (``--tp-rule``). Raises :class:`CheckpointError` for what it cannot prove."""
     return _plan(ctx, universal=False)
 
@@ -327,53 +330,62 @@ def _plan(ctx: PlanContext, *, universal: bool) -> ExportPlan:
                               "files from different saves are mixed")
     names.sort(key=lambda n: split_native(n)[0])  # layer order, then each layer's own order
 
-    name_map, map_note = _choose_map(ctx)
-    if universal and name_map is None:
+    rules, map_note = choose_rules(ctx)
+    if universal and rules is None:
         map_note = ("no config.json and no name map: TP slices merge by the recorded universal_checkpoint_info, "
                     "--tp-rule or byte-identical slices only, and no row-parallel bias is recognised as one; pass "
-                    f"--config DIR (a config of a model type with a built-in map: {', '.join(builtin_types())}) for "
-                    "the map's rules")
-    layer_names: Dict[int, List[str]] = {}
-    for n in names:
-        layer, inner = split_native(n)
-        layer_names.setdefault(layer, []).append(inner)
-    blocks = name_map.blocks(layer_names) if name_map else {}
-    residual_sum = None  # the config's use_parallel_residual, read when a row-parallel bias needs it
-    out, dropped, row_biases = [], [], []
-    seen = {}
-    for n in names:
-        layer, inner = split_native(n)
-        entry = None
-        if name_map is not None:
-            try:
-                entry = name_map.lookup(layer, inner, blocks)
-            except ValueError as e:
-                raise LayoutError(f"{tag_dir}: {e} ({name_map.source})") from None
-            if entry is None:
-                raise LayoutError(f"{tag_dir}: parameter {n} matches no entry of the {name_map.source}; pass "
-                                  "--source-option name_map=FILE with an entry for it (docs: 'Pipeline parallelism')")
-            if entry.drop is not None:
-                dropped.append(f"{n} ({entry.drop})")
-                continue
-        hf = n if universal or not entry else name_map.hf_name(entry, layer, blocks)
-        if hf in seen:
-            raise LayoutError(f"{tag_dir}: {seen[hf]} and {n} both map to {hf}; fix the name map")
-        seen[hf] = n
-        slices = [per_tp[t][n] for t in range(tp)]
-        if tp == 1:
-            t0 = slices[0]
-            out.append(TensorPlan(hf, t0.shape, t0.src_dtype, t0.parts, kind=t0.kind, module_check=t0.module_check))
+                    f"--config DIR (a config of a model type with built-in rules: {', '.join(builtin_types())}) for "
+                    "the rules' TP merges")
+    slices = OrderedDict((n, [per_tp[t][n] for t in range(tp)]) for n in names)
+    found = {n: rules.find(n) if rules is not None else None for n in names}
+    for n, f in found.items():
+        if rules is not None and f is None:
+            raise LayoutError(f"{tag_dir}: parameter {n} matches no rule of the {rules.source}; pass "
+                              "--source-option name_map=FILE with a rule for it (docs: 'Pipeline parallelism')")
+    has_row_bias = any(f is not None and f[0].tp == "row_bias" for f in found.values())
+    # the config's use_parallel_residual, read when a row-parallel bias of several TP slices needs it
+    params = {"parallel_residual": parallel_residual(ctx) if has_row_bias and tp > 1 and not universal else None}
+    targets = target_names(rules, names, params) if rules is not None and not universal else {}
+    overrides: Dict[str, Rule] = {}
+    row_biases = []
+    one_copy = universal_tp_rules(rules, names) if rules is not None and universal else {}
+    for n in names if tp > 1 else ():
+        rule = found[n][0] if found[n] is not None else None
+        if rule is not None and rule.drop is not None:
             continue
-        tp_value = entry.tp if entry else None
-        if tp_value == ROW_BIAS and universal:
+        if n in one_copy:
             row_biases.append(n)
-            tp_value = UNIVERSAL_ROW_BIAS
-        elif tp_value == ROW_BIAS and residual_sum is None:
-            residual_sum = parallel_residual(ctx)
-        merged = merge_slices(hf, n, slices, tp_value, residual_sum, info, user_rules, name_map)
-        out.append(merged)
+            overrides[n] = one_copy[n]
+        elif info is not None and (recorded := rule_from_universal_info(n, info)) is not None:
+            overrides[n] = recorded
+        elif rule is None or rule.tp is None:
+            hf = targets.get(n, n)
+            user = rule_from_user(hf, user_rules) or (rule_from_user(n, user_rules) if n != hf else None)
+            if user is None and all_identical({hf: slices[n]}):
+                user = Rule(None, "slices are byte-identical")
+            if user is None:
+                raise LayoutError(f"{n}: its {tp} tensor-parallel slices {[list(s.shape) for s in slices[n]]} "
+                                  "differ and no rule covers it (no universal_checkpoint_info, no name map entry); "
+                                  f"pass --tp-rule '{hf}=0' (split rows), '=1' (split columns) or '=replicated'")
+            overrides[n] = user
+    fix = "fix the name map or pass --tp-rule"
+    if rules is not None and not universal:
+        converted = apply_rules(rules, slices, params, overrides)
+        out = converted.tensors
+        dropped = [f"{n} ({why})" for n, why in converted.dropped.items()]
+    else:  # native names: the rules (when chosen) give the TP merges and the drops only
+        out, dropped = [], []
+        for n, ss in slices.items():
+            rule = found[n][0] if found[n] is not None else None
+            if rule is not None and rule.drop is not None:
+                dropped.append(f"{n} ({rule.drop})")
+                continue
+            if n in overrides or rule is None:
+                out.append(merge_slices(n, ss, overrides.get(n), fix))
+            else:
+                out.append(merge_tp(n, ss, rule.tp, params, rule.where))
 
-    if name_map is not None and ctx.config_dir is not None and not universal:
+    if rules is not None and ctx.config_dir is not None and not universal:
         _check_against_config(out, ctx.config_dir)
 
     files = sorted({p.path for t in out for part in t.parts + t.replicas for p in part} | set(models.values()) |
@@ -389,7 +401,7 @@ def _plan(ctx: PlanContext, *, universal: bool) -> ExportPlan:
               "mp_axis_reason": "mp_rank = stage x tp + tp rank (DeepSpeed PipelineModule); " + _stage_map_text(stage_of),
               "layer_stage": {str(k): v for k, v in sorted(stage_of.items())} if stage_of else None,
               "layers_with_files": sorted(layers),
-              "name_map": name_map.source if name_map else None}
+              "name_map": rules.source if rules else None}
     if not stages and pp > 1:
         detail["layer_stage"] = None
     plan_ = ExportPlan(engine="deepspeed", source=src, tag=tag, tensors=out, dtypes=dtypes, files=files,
@@ -443,18 +455,9 @@ def _stage_map_text(stage_of: Dict[int, int]) -> str:
     return "layers " + "; ".join(f"{', '.join(map(str, ls))} on stage {s}" for s, ls in sorted(by_stage.items()))
 
 
-def _choose_map(ctx):
-    user = ctx.option("name_map")
-    if user is not None:
-        return user, f"names from {user.source}"
-    if ctx.config_dir is None:
-        return None, ("no config.json: the native pipeline names ('<layer>.<name>') are exported, merged over TP; "
-                      "pass --config DIR (an HF config of a model type with a built-in map: "
-                      f"{', '.join(builtin_types())}) or --source-option name_map=FILE for HF names")
-    model_type = ctx.config.get("model_type")
-    m = builtin_map(model_type)
-    if m is None:
-        raise CheckpointError(f"{ctx.config_dir}/config.json: model_type {short_repr(model_type)} has no built-in "
-                              f"pipeline name map (maps: {', '.join(builtin_types())}); pass --source-option "
-                              "name_map=FILE mapping the pipeline's names to this model's (docs: 'Pipeline parallelism')")
-    return m, f"names from the {m.source}"
+def split_native(name: str) -> Tuple[int, str]:
+    """``"3.attention.dense.weight"`` -> ``(3, "attention.dense.weight")``; ValueError otherwise."""
+    head, sep, inner = name.partition(".")
+    if not sep or not head.isdigit() or not inner:
+        raise ValueError(f"{name!r} is not a pipeline parameter name ('<layer index>.<name inside the layer>')")
+    return int(head), inner

@@ -1,15 +1,15 @@
 """Several model-parallel ranks' plans merged into one: a replica axis (every rank a full copy,
-one used and the others checked) or tensor parallelism (slices concatenated by the rules of
-:mod:`..tp_rules`)."""
+one used and the others checked) or tensor parallelism (each parameter's slices merged by
+:func:`...convert.tp_rules.merge_slices`, by the rule :func:`...convert.tp_rules.resolve_rule` finds)."""
 
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 from ...errors import LayoutError
-from ...plan import ExportPlan, TensorPlan
+from ...plan import ExportPlan
 from ..protocol import SourceOption
-from ...convert.tp_rules import Rule, concat_shape, hf_plans_for, rule_from_hf_plan, rule_from_universal_info, rule_from_user
+from ...convert.tp_rules import Rule, all_identical, concat_shape, hf_plans_for, merge_slices, resolve_rule
 
-__all__ = ["TP_RULES_OPTION", "merge_model_parallel", "all_identical", "resolve_rule"]
+__all__ = ["TP_RULES_OPTION", "merge_model_parallel"]
 
 # The --tp-rule option, declared once for the ZeRO and the pipeline readers (both take it).
 TP_RULES_OPTION = SourceOption("tp_rules", "PATTERN=0|1|replicated: how to merge model-parallel slices of parameters "
@@ -17,7 +17,8 @@ TP_RULES_OPTION = SourceOption("tp_rules", "PATTERN=0|1|replicated: how to merge
                                "--tp-rule)", repeated=True, default=[])
 
 
-def merge_model_parallel(tag_dir, per_mp, config_dir, user_rules, config: Optional[dict] = None) -> ExportPlan:
+def merge_model_parallel(tag_dir: str, per_mp: Sequence[Tuple[ExportPlan, Optional[dict]]], config_dir: Optional[str],
+                         user_rules: Sequence[Tuple[str, Optional[int]]], config: Optional[dict] = None) -> ExportPlan:
     """Merge the plans of several model-parallel ranks: a replica axis (every rank a full
     copy, one used and the others checked) or tensor parallelism (slices merged by rules).
     ``config``: ``config_dir``'s config.json as already read (the export's one read), else read here."""
@@ -33,14 +34,6 @@ def merge_model_parallel(tag_dir, per_mp, config_dir, user_rules, config: Option
     hf = hf_plans_for(config_dir, config) if config_dir else None
     hf_plans, full, embeddings = hf if hf else ({}, {}, [])
     mp = len(plans)
-
-    def replicated(t_slices, rule):
-        first = t_slices[0]
-        if any(s.shape != first.shape for s in t_slices):
-            raise LayoutError(f"{first.name}: rule '{rule.source}' says replicated but the {mp} model-parallel "
-                              f"ranks hold shapes {[list(s.shape) for s in t_slices]}; pass --tp-rule to fix")
-        return TensorPlan(first.name, first.shape, first.src_dtype, first.parts, kind=first.kind, rule=rule.source,
-                          replicas=[s.parts[0] for s in t_slices[1:]], module_check=first.module_check)
 
     if info is None and full and all(s.shape == full.get(n) for n, ss in slices.items() for s in ss):
         axis, reason = "replica", ("every model-parallel rank records every parameter at its full shape "
@@ -59,69 +52,17 @@ def merge_model_parallel(tag_dir, per_mp, config_dir, user_rules, config: Option
     padding = {}
     for n in names:
         rule, ss = rules[n], slices[n]
-        if rule.replicated:
-            merged.append(replicated(ss, rule))
-            continue
-        shapes = [s.shape for s in ss]
-        try:
-            shape = concat_shape(shapes, rule.dim)
-        except ValueError as e:
-            raise LayoutError(f"{n}: {e} (rule from {rule.source}); pass --tp-rule '{n}=0|1|replicated'") from None
-        keep = None
-        if rule.keep_rows is not None and shape[0] > rule.keep_rows:
-            keep = rule.keep_rows
-            padding[n] = (shape[0], keep)
-            shape = (keep,) + shape[1:]
-        if n in full and full[n] != shape:
-            raise LayoutError(f"{n}: merging {mp} slices {[list(s) for s in shapes]} by '{rule.source}' gives "
-                              f"{list(shape)}, but config.json's model has {list(full[n])}; pass --tp-rule "
+        t = merge_slices(n, ss, rule, f"pass --tp-rule '{n}=0|1|replicated'")
+        if t.keep_rows is not None:
+            padding[n] = (concat_shape([s.shape for s in ss], 0)[0], t.keep_rows)
+        if not rule.replicated and n in full and full[n] != t.shape:
+            raise LayoutError(f"{n}: merging {mp} slices {[list(s.shape) for s in ss]} by '{rule.source}' gives "
+                              f"{list(t.shape)}, but config.json's model has {list(full[n])}; pass --tp-rule "
                               f"'{n}=0|1|replicated' with the right split")
-        check = None
-        if all(s.module_check is not None for s in ss):  # part by part, as the slices were saved
-            check = ([s.module_check[0][0] for s in ss], [s.module_check[1][0] for s in ss])
-        merged.append(TensorPlan(n, shape, ss[0].src_dtype, [s.parts[0] for s in ss], kind=ss[0].kind,
-                                 cat_dim=rule.dim, part_shapes=shapes, keep_rows=keep, rule=rule.source,
-                                 module_check=check))
+        merged.append(t)
     plan = plans[0]
     plan.tensors = merged
     plan.detail.update(mp_axis=axis, mp_axis_reason=reason)
     plan.padding_removed = padding
     plan.files = sorted({f for p in plans for f in p.files})
     return plan
-
-
-def all_identical(slices) -> bool:
-    from ...assemble import check_replicas
-    from ...mapped_files import MappedFiles
-
-    with MappedFiles() as files:
-        for n, ss in slices.items():
-            if any(s.shape != ss[0].shape for s in ss):
-                return False
-            try:
-                check_replicas(TensorPlan(n, ss[0].shape, ss[0].src_dtype, ss[0].parts,
-                                          replicas=[s.parts[0] for s in ss[1:]]), files)
-            except LayoutError:
-                return False
-    return True
-
-
-def resolve_rule(name, ss, info, hf_plans, embeddings, user_rules, full) -> Rule:
-    rule = rule_from_universal_info(name, info) if info is not None else None
-    rule = rule or (rule_from_hf_plan(name, hf_plans, embeddings) if hf_plans else None)
-    rule = rule or rule_from_user(name, user_rules)
-    if rule is None and name in full and all(s.shape == full[name] for s in ss):
-        rule = Rule(None, "each slice has the full shape from config.json")
-    if rule is None and all_identical({name: ss}):
-        rule = Rule(None, "slices are byte-identical")
-    if rule is None:
-        hint = ""
-        if name in full:
-            dims = [d for d in range(len(full[name])) if len(ss[0].shape) == len(full[name]) and
-                    sum(s.shape[d] for s in ss) == full[name][d]]
-            if len(dims) == 1:
-                hint = f" (config.json's full shape {list(full[name])} suggests dim {dims[0]})"
-        raise LayoutError(f"{name}: its {len(ss)} model-parallel slices {[list(s.shape) for s in ss]} differ and no "
-                          "rule covers it (no universal_checkpoint_info, not in the HF tp plan); pass "
-                          f"--tp-rule '{name}=0' (split rows), '=1' (split columns) or '=replicated'{hint}")
-    return rule

@@ -135,24 +135,24 @@ def test_a_swapped_tp_layer_file_is_refused(engine_ckpt, tmp_path):
 
 
 def test_a_user_name_map_renames_and_a_name_it_misses_is_refused(engine_ckpt, tmp_path):
-    """--source-option name_map=FILE (a fork's names): its names are written; a parameter no entry
-    matches is refused, named."""
-    from hf_ckpt_integrations.sources.deepspeed import name_map
+    """--source-option name_map=FILE (a fork's names, a conversion rules file): its names are written; a
+    parameter no rule matches is refused, named."""
+    from hf_ckpt_integrations.sources.deepspeed import pipeline
 
     run = engine_ckpt("pipe-dp2-fp32-seq")
-    builtin = json.loads((Path(name_map.__file__).parent / "name_maps" / "gpt_neox.json").read_text())
-    builtin["tensors"] = [dict(e, hf="lm_head_of_my_fork.weight") if e["layer"] == "final_linear.weight" else e
-                          for e in builtin["tensors"]]
+    builtin = json.loads((Path(pipeline.__file__).parent / "rules" / "gpt_neox.json").read_text())
+    builtin["rules"] = [dict(r, to="lm_head_of_my_fork.weight") if "final_linear" in r["match"] else r
+                        for r in builtin["rules"]]
     mine = tmp_path / "map.json"
     mine.write_text(json.dumps(builtin))
     dst = tmp_path / "hf"
     r = export(run / "ckpt", dst, "--source-option", f"name_map={mine}", "--weights-only")
     got = read_export(dst)
     assert torch.equal(got["lm_head_of_my_fork.weight"], _reference(run)["embed_out.weight"])
-    builtin["tensors"] = [e for e in builtin["tensors"] if e["layer"] != "norm.weight"]
+    builtin["rules"] = [r for r in builtin["rules"] if r["match"] != r"(?P<layer>\d+)\.norm\.weight"]
     mine.write_text(json.dumps(builtin))
     export_refused(run / "ckpt", tmp_path / "hf2", "--weights-only", "--source-option", f"name_map={mine}",
-                   match="parameter 5.norm.weight matches no entry")
+                   match="parameter 5.norm.weight matches no rule")
 
 
 def test_a_config_that_does_not_fit_the_mapped_names_is_refused(engine_ckpt, tmp_path):
