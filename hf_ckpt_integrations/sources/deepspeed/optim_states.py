@@ -106,9 +106,10 @@ class OptimizerStates:
         hit = self._strided_cache.get(key)
         if hit is not None and hit[0] is pieces.paths and hit[1] is pieces.bases:
             return hit[2]
-        per, room = [], None
+        per: Optional[List[Tuple[int, dict]]] = []
+        room: Optional[int] = None
         for path, base in zip(pieces.paths, pieces.bases):
-            found = None
+            found: Optional[Tuple[int, dict, int]] = None
             for start, end, ref, states in self._index.get(path, ()):
                 if start <= base < end or start == base == end:
                     if not (base - start) % 4:
@@ -117,7 +118,7 @@ class OptimizerStates:
             if found is None:
                 per = None
                 break
-            per.append(found[:2])
+            per.append((found[0], found[1]))  # type: ignore[union-attr]  # None only past the break
             room = found[2] if room is None else min(room, found[2])
         out = (room or 0, per) if per is not None else None
         self._strided_cache[key] = (pieces.paths, pieces.bases, out)
@@ -185,7 +186,8 @@ class OptimizerStates:
         """Whether ``t``'s pieces are fp32 master partitions (trained parameters), as opposed to
         frozen parameters or buffers, which have no optimizer state."""
         if t.parts and all(isinstance(part, StridedPieces) for part in t.parts):  # ZeRO-3: no piece made
-            return any(len(part) for part in t.parts) and all(self._strided_has(part) for part in t.parts)
+            return any(len(part) for part in t.parts) and all(self._strided_has(part)  # type: ignore[arg-type]
+                                                               for part in t.parts)
         pieces = [p for part in t.parts for p in part]
         return bool(pieces) and all(self._where(p) is not None for p in pieces)
 
