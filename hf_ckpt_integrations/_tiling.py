@@ -7,6 +7,8 @@ Pure arithmetic, linear in the number of chunks; the data types are :mod:`.plan`
 import math
 from typing import Dict, Sequence, Tuple
 
+from .boxes import pieces_numel
+
 __all__ = ["check_tiling"]
 
 
@@ -28,7 +30,7 @@ def check_tiling(shape: Sequence[int], chunks: Sequence) -> None:
         if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(c.offsets, c.sizes, shape)):
             raise ValueError(f"chunk {i}: offsets {list(c.offsets)} sizes {list(c.sizes)} fall outside the "
                              f"shape {list(shape)}")
-        held = sum(p.numel for p in c.pieces)
+        held = pieces_numel(c.pieces)
         if held != c.numel:
             raise ValueError(f"chunk {i}: its pieces hold {held} elements, its sizes {list(c.sizes)} need "
                              f"{c.numel}")

@@ -15,6 +15,7 @@ from .formats.dtypes import FLOATS as FLOAT_DTYPES, SIZES as DTYPE_SIZES, to_tor
 from .formats.file_ranges import FileRange  # what iter_bytes yields with ranges=True
 from .mapped_files import MappedFiles
 from .plan import Piece, TensorPlan
+from .boxes import pieces_dtypes
 
 __all__ = ["assemble_chunks", "iter_bytes", "torch_tensor", "check_replicas", "check_module_copy",
            "FileRange", "FLOAT_DTYPES"]
@@ -162,7 +163,7 @@ def iter_bytes(t: TensorPlan, out_dtype: str, files: MappedFiles, *, ranges: boo
     """
     check_replicas(t, files)
     flat = t.flat_pieces()
-    if flat is not None and all(p.dtype == out_dtype for p in flat):
+    if flat is not None and all(d == out_dtype for d in pieces_dtypes(flat)):
         for p in flat:
             n = p.numel * DTYPE_SIZES[p.dtype]
             yield FileRange(p.path, p.offset, n) if ranges else files.read(p.path, p.offset, n)
@@ -170,7 +171,7 @@ def iter_bytes(t: TensorPlan, out_dtype: str, files: MappedFiles, *, ranges: boo
     if flat is not None:
         from .casts import can_cast, iter_cast  # numpy: imported by casts only (half the CLI's start-up)
 
-        if all(can_cast(p.dtype, out_dtype) for p in flat):
+        if all(can_cast(d, out_dtype) for d in pieces_dtypes(flat)):
             yield from iter_cast(flat, out_dtype, files)  # numpy bit operations, no torch
             return
     if t.chunks is not None and t.keep_rows is None and t.elem_range is None:

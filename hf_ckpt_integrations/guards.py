@@ -102,16 +102,21 @@ def check_inside(paths: Iterable[StrPath], root: StrPath, *, what: str = "a file
 def plan_paths(plan: _Plan) -> Iterator[str]:
     """Every file path an :class:`~.plan.ExportPlan` reads bytes from (its pieces, replicas, chunks,
     module copies, tied copies) and the files it lists."""
+    from .boxes import groups_paths
+
     yield from plan.files
-    for t in plan.tensors:
-        groups = list(t.parts) + list(t.replicas)
-        if t.module_check:
-            groups += list(t.module_check[0]) + list(t.module_check[1])
-        groups += [list(c.pieces) for c in (t.chunks or ())]
-        groups += [list(c.pieces) for _, chunks in t.tied_copies for c in chunks]
-        for group in groups:
-            for p in group:
-                yield p.path
+
+    def groups():
+        for t in plan.tensors:
+            yield from t.parts
+            yield from t.replicas
+            if t.module_check:
+                yield from t.module_check[0]
+                yield from t.module_check[1]
+            yield from (c.pieces for c in (t.chunks or ()))
+            yield from (c.pieces for _, chunks in t.tied_copies for c in chunks)
+
+    yield from groups_paths(groups())  # a ZeRO-3 plan's rank files once, not once per piece
 
 
 def open_regular(path: StrPath, *, root: Optional[StrPath] = None, limit: Optional[int] = None,

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._tiling import check_tiling
-from .boxes import (Chunk, Piece, box_runs, narrow_pieces, parts_as_chunks, range_as_box, row_major_pieces,
-                    select_box)
+from .boxes import (Chunk, Piece, StridedPieces, box_runs, narrow_pieces, parts_as_chunks, pieces_dtypes,
+                    pieces_numel, range_as_box, row_major_pieces, select_box)
 from .formats.dtypes import FLOATS, SIZES
 
-__all__ = ["Piece", "LivePiece", "Chunk", "TensorPlan", "ExportPlan", "narrow_pieces", "box_runs", "select_box",
+__all__ = ["Piece", "LivePiece", "Chunk", "StridedPieces", "TensorPlan", "ExportPlan", "narrow_pieces", "box_runs", "select_box",
            "range_as_box", "check_tiling",
            "row_major_pieces", "parts_as_chunks", "check_plan", "decide_dtypes"]
 
@@ -122,14 +122,18 @@ class TensorPlan:
         return parts_as_chunks(self.assembled_shape(), self.parts, self.part_shapes if len(self.parts) > 1 else None,
                                self.cat_dim)
 
-    def flat_pieces(self) -> Optional[List[Piece]]:
+    def flat_pieces(self) -> Optional[Sequence[Piece]]:
         """The pieces that laid end to end are the output bytes (the hot path), or None when the
-        tensor must be assembled (column slices, N-D blocks, unpadding, a Hub-layout element range)."""
+        tensor must be assembled (column slices, N-D blocks, unpadding, a Hub-layout element range).
+        A :class:`~.boxes.StridedPieces` part is returned as it is (its pieces made while iterated)."""
         if self.keep_rows is not None or self.elem_range is not None or self.reduce is not None:
             return None
         if self.chunks is not None:
             return row_major_pieces(self.shape, self.chunks)
-        return list(self.parts[0]) if len(self.parts) == 1 else None
+        if len(self.parts) != 1:
+            return None
+        part = self.parts[0]
+        return part if isinstance(part, StridedPieces) else list(part)
 
     @property
     def is_byte_copy(self) -> bool:
@@ -349,10 +353,12 @@ def check_plan(plan: ExportPlan) -> None:
                for s in shapes):
             raise LayoutError(f"{where}: shape {short_repr(t.shape)} is not a list of non-negative integers; "
                               "the checkpoint is corrupt: copy it again")
-        pieces = [p for part in t.parts for p in part]
-        if t.src_dtype not in SIZES or any(p.dtype not in SIZES or p.numel < 0 for p in pieces):
+        # (a StridedPieces part answers without making its pieces: its counts are non-negative by construction)
+        dtypes = {d for part in t.parts for d in pieces_dtypes(part)}
+        if t.src_dtype not in SIZES or any(d not in SIZES for d in dtypes) or any(
+                p.numel < 0 for part in t.parts if not isinstance(part, StridedPieces) for p in part):
             raise LayoutError(f"{where}: dtype {short_repr(t.src_dtype)} is not one safetensors stores here")
-        got = [sum(p.numel for p in part) for part in t.parts]
+        got = [pieces_numel(part) for part in t.parts]
         want = ([math.prod(s) for s in t.part_shapes] if t.part_shapes is not None else
                 [math.prod(t.shape)] if t.keep_rows is None else got)
         if got != want:
@@ -363,7 +369,7 @@ def check_plan(plan: ExportPlan) -> None:
             raise LayoutError(f"{where}: a reduce {short_repr(t.reduce)} of parts not all of its shape; please "
                               "report this with `hf-ckpt inspect --json`")
         if t.reduce is None and (t.chunks is not None or len(t.parts) > 1):
-            if any(p.dtype != t.src_dtype for p in pieces):
+            if any(d != t.src_dtype for d in dtypes):
                 raise LayoutError(f"{where}: its chunks are of several dtypes; files from different saves are "
                                   "mixed: copy one save's files again")
             try:

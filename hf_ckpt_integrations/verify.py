@@ -142,7 +142,12 @@ def _check_source_crc(plan: "ExportPlan", report: VerifyReport) -> None:
                                                     if t.module_check else []) + \
             [list(c.pieces) for _, chunks in t.tied_copies for c in chunks]
         for p in (p for part in parts for p in part):
-            ranges.setdefault(p.path, []).append((p.offset, p.numel * DTYPE_SIZES[p.dtype]))
+            got = ranges.setdefault(p.path, [])
+            n = p.numel * DTYPE_SIZES[p.dtype]
+            if got and got[-1][0] + got[-1][1] == p.offset:  # adjacent (ZeRO-3: a rank's partitions in order)
+                got[-1] = (got[-1][0], got[-1][1] + n)
+            else:
+                got.append((p.offset, n))
     problems = integrity_problems(ranges)
     for path in sorted(problems):
         report.differences.extend(problems[path])

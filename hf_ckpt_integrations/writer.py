@@ -36,7 +36,7 @@ from .formats.safetensors import encode_header
 from .guards import copyable_problem
 from .mapped_files import MappedFiles
 from .outfiles import open_new
-from .plan import ExportPlan, LivePiece, TensorPlan, decide_dtypes
+from .plan import ExportPlan, LivePiece, StridedPieces, TensorPlan, decide_dtypes
 
 __all__ = ["OutTensor", "split_shards", "shard_order", "write_shard", "write_index", "MAX_SHARD_SIZE",
            "SAFETENSORS_FILENAME_PATTERN", "INDEX_NAME", "TMP_MARKER", "CONFIG_FILES", "check_max_shard_size",
@@ -195,8 +195,7 @@ def out_tensor(t: TensorPlan, dtype: str, files: Optional[MappedFiles], *, range
     """The :class:`~.formats.out_tensor.OutTensor` of ``t`` in ``dtype`` (:func:`plan_tensors`, one
     tensor); ``files`` None: the tensor maps what it must (only slices to assemble) in a
     :class:`~.mapped_files.MappedFiles` of its own, closed once its bytes are read."""
-    pieces = [p for part in t.parts for p in part]
-    if pieces and all(isinstance(p, LivePiece) for p in pieces):
+    if _all_live(t):
         return _produced(t, dtype, assignment)
     if files is None:
         def chunks():
@@ -206,6 +205,15 @@ def out_tensor(t: TensorPlan, dtype: str, files: Optional[MappedFiles], *, range
         def chunks():
             return iter_bytes(t, dtype, files, ranges=ranges)
     return OutTensor(t.name, dtype, tuple(t.shape), chunks)
+
+
+def _all_live(t: TensorPlan) -> bool:
+    """Whether every piece of ``t`` is a :class:`~.plan.LivePiece` (and it has one); a ZeRO-3
+    :class:`~.plan.StridedPieces` part holds stored pieces only, answered without making them."""
+    if any(isinstance(part, StridedPieces) for part in t.parts):
+        return False
+    pieces = [p for part in t.parts for p in part]
+    return bool(pieces) and all(isinstance(p, LivePiece) for p in pieces)
 
 
 def _produced(t: TensorPlan, d: str, assignment) -> OutTensor:

@@ -22,6 +22,7 @@ from ...errors import CheckpointError, LayoutError, short_repr
 from ...formats.torch_files import TensorRef
 from ...formats.dtypes import from_user as dtype_from_name
 from ...plan import ExportPlan, TensorPlan
+from ...boxes import pieces_paths
 from ..protocol import PlanContext
 from .tp_merge import TP_RULES_OPTION
 from ...convert.tp_rules import parse_user_rule
@@ -178,7 +179,7 @@ def plan_mp_rank(tag_dir: str, mp_rank: int, ranks: Dict[int, RankFile], model_f
         plan_zero12_frozen(model, model_path, tensors)
     elif stage == 3:
         plan_zero3(ranks, param_groups, model_path, tensors)
-        plan_zero3_frozen(model_files, dp, tensors)
+        plan_zero3_frozen(model_files, dp, tensors, model)
     elif isinstance(experts, autoep.AutoEPExperts):
         autoep_router = autoep.plan_autoep(ranks, param_groups, model_path, tensors, module, model, experts, notes,
                                            plan_group=zero12.plan_group, partition_count=zero12._partition_count,
@@ -218,7 +219,11 @@ def plan_mp_rank(tag_dir: str, mp_rank: int, ranks: Dict[int, RankFile], model_f
     # Output order = the model's state_dict order (as save_pretrained writes it), then the rest.
     ordered = [tensors.pop(n) for n in list(module) if n in tensors]
     ordered += list(tensors.values())
-    files = sorted({p.path for t in ordered for part in t.parts for p in part} | {model_path})
+    read = {model_path}
+    for t in ordered:
+        for part in t.parts:
+            read.update(pieces_paths(part))  # (a ZeRO-3 StridedPieces part: its rank files, no piece made)
+    files = sorted(read)
     dtypes = {"master": "F32"} if any(t.kind == "master" for t in ordered) or ranks else {}
     if module_dtype is not None:
         dtypes["module"] = module_dtype

@@ -19,7 +19,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ...errors import LayoutError, short_repr
 from ...formats.torch_files import TensorRef
-from ...plan import Chunk, Piece, TensorPlan
+from ...boxes import as_pieces
+from ...plan import Chunk, Piece, StridedPieces, TensorPlan
 from .fields import OptimFile
 from .rank_files import find_rank_files
 
@@ -55,6 +56,8 @@ class OptimizerStates:
             optim, _ = find_rank_files(tag_dir)
         # path -> [(first byte, end byte, fp32 ref, {state name: value})]: where each partition lies
         self._index: Dict[str, List[tuple]] = {}
+        # id(rank files of a ZeRO-3 plan) [, what] -> (those files, their bases, the answer): see _strided
+        self._strided_cache: Dict[object, tuple] = {}
         self.tensor_names: List[str] = []
         self.scalar_names: List[str] = []
         self.param_groups = None
@@ -94,6 +97,75 @@ class OptimizerStates:
                     start, nbytes = ref.byte_range()
                     self._index.setdefault(ref.path, []).append((start, start + nbytes, ref, states))
 
+    def _strided(self, pieces: StridedPieces) -> Optional[Tuple[int, list]]:
+        """For a ZeRO-3 :class:`~...plan.StridedPieces` part: ``(elements every rank's partition holds
+        from the part's flat-buffer base, [(element of that base in the partition, states) per rank])``,
+        or None when some rank's base is not inside a partition. Computed once per plan (the rank
+        files are shared by all its tensors), so no piece is made: a piece of it lies in rank ``r``'s
+        partition exactly when ``local + chunk`` fits that room, which :meth:`_where` would find."""
+        key = id(pieces.paths)
+        hit = self._strided_cache.get(key)
+        if hit is not None and hit[0] is pieces.paths and hit[1] is pieces.bases:
+            return hit[2]
+        per: Optional[List[Tuple[int, dict]]] = []
+        room: Optional[int] = None
+        for path, base in zip(pieces.paths, pieces.bases):
+            found: Optional[Tuple[int, dict, int]] = None
+            for start, end, ref, states in self._index.get(path, ()):
+                if start <= base < end or start == base == end:
+                    if not (base - start) % 4:
+                        found = ((base - start) // 4, states, (end - base) // 4)
+                    break
+            if found is None:
+                per = None
+                break
+            per.append((found[0], found[1]))  # type: ignore[union-attr]  # None only past the break
+            room = found[2] if room is None else min(room, found[2])
+        out = (room or 0, per) if per is not None else None
+        self._strided_cache[key] = (pieces.paths, pieces.bases, out)
+        return out
+
+    def _strided_has(self, pieces: StridedPieces) -> bool:
+        hit = self._strided(pieces)
+        return hit is not None and pieces.local + pieces.chunk <= hit[0]
+
+    def _strided_state(self, pieces: StridedPieces, name: str) -> StridedPieces:
+        """``pieces`` moved to state ``name`` (the same elements of each rank's state tensor), still on demand."""
+        if not self._strided_has(pieces):
+            first = pieces[0]
+            raise LayoutError(f"{first.path}: bytes at {first.offset} are not inside an fp32 partition")
+        key = (id(pieces.paths), name)
+        hit = self._strided_cache.get(key)
+        if hit is None or hit[0] is not pieces.paths or hit[1] is not pieces.bases:
+            _, per = self._strided(pieces)  # type: ignore[misc]  # not None: _strided_has said so
+            refs = [states[name] for _, states in per]
+            paths = tuple(ref.path for ref in refs)
+            bases = tuple(ref.byte_range(elem, 0)[0] for ref, (elem, _) in zip(refs, per))
+            dtypes = {ref.dtype for ref in refs}
+            hit = (pieces.paths, pieces.bases, (paths, bases, dtypes.pop() if len(dtypes) == 1 else None))
+            self._strided_cache[key] = hit
+        paths, bases, dtype = hit[2]
+        if dtype is None:  # (every state was checked to be of its partition's dtype: not reached)
+            raise LayoutError(f"{paths[0]}: optimizer state {name} is of several dtypes across the ranks")
+        return StridedPieces(paths, bases, pieces.local, pieces.chunk, pieces.start, pieces.stop, dtype)
+
+    def _strided_scalar(self, pieces: StridedPieces, name: str):
+        """The per-group value ``name`` when every rank of ``pieces``' plan holds the same one (checked
+        once per plan, not once per piece); ``_DISAGREE`` when they do not or some rank's place is not
+        known (:meth:`scalar` then walks the pieces and names the file that differs)."""
+        key = (id(pieces.paths), "scalar", name)
+        hit = self._strided_cache.get(key)
+        if hit is None or hit[0] is not pieces.paths or hit[1] is not pieces.bases:
+            found = self._strided(pieces) if self._strided_has(pieces) else None
+            value = _DISAGREE
+            if found is not None and found[1]:
+                values = [states.get(name) for _, states in found[1]]
+                if all(_same_scalar(values[0], v) for v in values[1:]):
+                    value = values[0]
+            hit = (pieces.paths, pieces.bases, value)
+            self._strided_cache[key] = hit
+        return hit[2]
+
     def _where(self, piece: Piece) -> Optional[Tuple[int, Dict[str, Any]]]:
         for start, end, ref, states in self._index.get(piece.path, ()):
             if start <= piece.offset < end:
@@ -114,6 +186,9 @@ class OptimizerStates:
     def has_states(self, t: TensorPlan) -> bool:
         """Whether ``t``'s pieces are fp32 master partitions (trained parameters), as opposed to
         frozen parameters or buffers, which have no optimizer state."""
+        if t.parts and all(isinstance(part, StridedPieces) for part in t.parts):  # ZeRO-3: no piece made
+            return any(len(part) for part in t.parts) and all(self._strided_has(part)  # type: ignore[arg-type]
+                                                               for part in t.parts)
         pieces = [p for part in t.parts for p in part]
         return bool(pieces) and all(self._where(p) is not None for p in pieces)
 
@@ -122,16 +197,24 @@ class OptimizerStates:
         (slices, replicas, chunks) moved to the same elements of the state tensor."""
         if name not in self.tensor_names:
             raise KeyError(name)
-        move = lambda pieces: [self._piece(p, name) for p in pieces]  # noqa: E731
+        def move(pieces):
+            if isinstance(pieces, StridedPieces):
+                return self._strided_state(pieces, name)
+            return [self._piece(p, name) for p in pieces]
+
         chunks = None
         if t.chunks is not None:
-            chunks = [Chunk(tuple(move(c.pieces)), c.offsets, c.sizes) for c in t.chunks]
+            chunks = [Chunk(as_pieces(move(c.pieces)), c.offsets, c.sizes) for c in t.chunks]
         return dataclasses.replace(t, parts=[move(part) for part in t.parts], replicas=[move(r) for r in t.replicas],
                                    chunks=chunks, module_check=None, tied_copies=[])
 
     def scalar(self, t: TensorPlan, name: str) -> Any:
         """The per-group value ``name`` (``step``) of ``t``'s group, the same in every file holding
         a piece of ``t`` (a TensorRef or a plain number); LayoutError when they differ."""
+        if not t.replicas and t.parts and all(isinstance(part, StridedPieces) for part in t.parts):
+            agreed = self._strided_scalar(t.parts[0], name)  # type: ignore[arg-type]
+            if agreed is not _DISAGREE:
+                return agreed
         values = []
         for p in [p for part in t.parts for p in part] + [p for r in t.replicas for p in r]:
             hit = self._where(p)
@@ -146,6 +229,9 @@ class OptimizerStates:
                                   f"{values[0][0]} says {short_repr(_show(first))}; files from different saves are "
                                   "mixed: copy one save's tag directory again")
         return first
+
+
+_DISAGREE = object()
 
 
 def _show(v: Any) -> Any:

@@ -15,7 +15,7 @@ chunks back to back in ``param_shapes`` order. The last rank's chunk is zero-pad
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Fragment", "zero12_fragments", "zero3_fragments", "ceil_div", "round_robin_order"]
+__all__ = ["Fragment", "zero12_fragments", "zero3_fragments", "zero3_offsets", "ceil_div", "round_robin_order"]
 
 # (rank, element offset inside that rank's flat partition, element count)
 Fragment = Tuple[int, int, int]
@@ -74,16 +74,28 @@ def round_robin_order(count: int, partitions: int) -> List[int]:
     return [i for pile in range(min(partitions, count)) for i in range(pile, count, partitions)]
 
 
-def zero3_fragments(numels: Sequence[int], dp: int, flat_numel: int) -> List[List[Fragment]]:
-    """Where each parameter lives under ZeRO-3 given ``dp`` ranks whose flat buffers hold ``flat_numel``."""
+def zero3_offsets(numels: Sequence[int], dp: int, flat_numel: int) -> List[Tuple[int, int]]:
+    """``(element offset, elements per rank)`` of each parameter under ZeRO-3, the same in every one of
+    the ``dp`` ranks' flat buffers of ``flat_numel`` elements: :func:`zero3_fragments` without listing
+    one fragment per rank (O(parameters), what a 1,024-rank plan keeps). Raises ``ValueError`` when
+    the recorded shapes do not fill the buffers exactly."""
     needed = sum(ceil_div(n, dp) for n in numels)
     if needed != flat_numel:
         raise ValueError(f"recorded shapes need {needed} elements per rank but each rank's flat buffer "
                          f"holds {flat_numel}")
-    out: List[List[Fragment]] = []
+    out: List[Tuple[int, int]] = []
     local = 0
     for n in numels:
         chunk = ceil_div(n, dp)
+        out.append((local, chunk))
+        local += chunk
+    return out
+
+
+def zero3_fragments(numels: Sequence[int], dp: int, flat_numel: int) -> List[List[Fragment]]:
+    """Where each parameter lives under ZeRO-3 given ``dp`` ranks whose flat buffers hold ``flat_numel``."""
+    out: List[List[Fragment]] = []
+    for n, (local, chunk) in zip(numels, zero3_offsets(numels, dp, flat_numel)):
         # Only the first ceil(n / chunk) ranks hold elements of a parameter smaller than dp (a
         # layernorm at 1,024 ranks): walking those, not all dp, keeps this O(pieces).
         frags = [(rank, local, chunk) for rank in range(ceil_div(n, chunk) - 1)] if n else []
@@ -91,7 +103,6 @@ def zero3_fragments(numels: Sequence[int], dp: int, flat_numel: int) -> List[Lis
             last = ceil_div(n, chunk) - 1
             frags.append((last, local, n - last * chunk))
         out.append(frags)
-        local += chunk
     return out
 
 

@@ -6,7 +6,7 @@ from typing import List, Sequence
 
 from ...errors import LayoutError
 from ...formats.torch_files import TensorRef
-from ...plan import Piece, TensorPlan, narrow_pieces
+from ...plan import Piece, StridedPieces, TensorPlan, narrow_pieces
 from . import partitions
 from .allowlist import load
 from .fields import numel, recorded_shape, tensor_pieces
@@ -33,23 +33,31 @@ def plan_zero3(ranks, param_groups, model_path, tensors):
         raise LayoutError(f"{ranks[0].path}: ranks hold flat buffers of different lengths {sorted(lengths)}; "
                           "files from different saves are mixed")
     names = list(merged)
+    numels = [numel(merged[n]) for n in names]
+    flat_numel = lengths.pop()
     try:
-        frags = partitions.zero3_fragments([numel(merged[n]) for n in names], dp, lengths.pop())
+        offsets = partitions.zero3_offsets(numels, dp, flat_numel)
     except ValueError as e:
         raise LayoutError(f"{ranks[0].path}: {e}; the model-states and optimizer files come from different "
                           "saves or are corrupt") from None
-    # One contiguous flat buffer per rank (what DeepSpeed writes): a piece is plain arithmetic, and
-    # zero3_fragments has proven every fragment lies inside the buffer (O(1) per piece at 1,024 ranks).
     single = all(len(f) == 1 and f[0].is_contiguous() for f in flats)
-    bases = [(f[0].path, f[0].byte_range(0, 0)[0]) for f in flats] if single else None
+    if single:
+        # One contiguous flat buffer per rank (what DeepSpeed writes): a parameter sits at the same element
+        # offset of every rank's buffer, so its pieces are (the rank files, that offset, the partition size):
+        # one StridedPieces per tensor, its pieces made when read (O(tensors) memory at 1,024 ranks, not
+        # tensors x ranks). zero3_offsets has proven every partition lies inside the buffer.
+        paths = tuple(f[0].path for f in flats)
+        bases = tuple(f[0].byte_range(0, 0)[0] for f in flats)
+        for name, n, (local, chunk) in zip(names, numels, offsets):
+            pieces = StridedPieces(paths, bases, local, max(chunk, 1), 0, n, "F32")
+            tensors[name] = TensorPlan(name, merged[name], "F32", [pieces], kind="master")  # type: ignore[list-item]
+        return
+    frags = partitions.zero3_fragments(numels, dp, flat_numel)
     for name, fr in zip(names, frags):
-        if single:
-            pieces = [Piece(bases[r][0], bases[r][1] + 4 * local, count, "F32") for r, local, count in fr]
-        else:
-            pieces = []
-            for r, local, count in fr:
-                pieces.extend(segmented_pieces(flats[r], local, count))
-        tensors[name] = TensorPlan(name, merged[name], "F32", [pieces], kind="master")
+        segmented: List[Piece] = []
+        for r, local, count in fr:
+            segmented.extend(segmented_pieces(flats[r], local, count))
+        tensors[name] = TensorPlan(name, merged[name], "F32", [segmented], kind="master")
 
 
 def segmented_pieces(segments: Sequence[TensorRef], start: int, count: int) -> List[Piece]:
@@ -61,8 +69,11 @@ def segmented_pieces(segments: Sequence[TensorRef], start: int, count: int) -> L
         raise LayoutError(f"{segments[0].path}: flat buffer shorter than the recorded shapes need") from None
 
 
-def plan_zero3_frozen(model_files, dp, tensors):
-    first = load(model_files[0])
+def plan_zero3_frozen(model_files, dp, tensors, first=None):
+    """The frozen parameters' fragments (one per rank file's ``frozen_param_fragments``); ``first``: rank
+    0's model-states file already read (the source's plan has it: reading its pickle again was a third of
+    a 45,395-tensor plan)."""
+    first = load(model_files[0]) if first is None else first
     shapes = first.get("frozen_param_shapes") or {}
     # The other ranks' model files only matter for their frozen fragments: reading all of them
     # (each pickles every parameter's shape) was most of the plan time at 64+ ranks.

@@ -36,3 +36,29 @@ def test_many_ranks_export_bitwise(stage, tmp_path):
     assert set(got) == set(ref)
     for name, t in ref.items():
         assert torch.equal(got[name].view(torch.int32), t.view(torch.int32)), name
+
+
+def test_zero3_plan_in_tensors_not_pieces(tmp_path):
+    """Issue 39: a ZeRO-3 plan holds one StridedPieces per tensor (its pieces made on demand), equal to
+    the listed pieces; the optimizer states (universal) move it without making its pieces, to the same
+    places the per-piece path finds."""
+    import dataclasses
+
+    from hf_ckpt_integrations.plan import StridedPieces
+    from hf_ckpt_integrations.sources.deepspeed.optim_states import OptimizerStates
+
+    src = tmp_path / "ckpt"
+    make_checkpoint(src, stage=3, dp=5, layers=1, hidden=8, vocab=12, heads=2, kv_heads=1)
+    plan = build_plan(str(src))
+    states = OptimizerStates(str(src / "global_step1"))
+    listed = OptimizerStates(str(src / "global_step1"))
+    for t in plan.tensors:
+        (part,) = t.parts
+        assert isinstance(part, StridedPieces)
+        plain = dataclasses.replace(t, parts=[list(part)])  # the same tensor as a list of Pieces
+        assert states.has_states(t) and listed.has_states(plain)
+        for name in states.tensor_names:
+            got, want = states.state_plan(t, name).parts[0], listed.state_plan(plain, name).parts[0]
+            assert isinstance(got, StridedPieces) and list(got) == want
+        for name in states.scalar_names:
+            assert states.scalar(t, name) == listed.scalar(plain, name)
