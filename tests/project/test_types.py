@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "hf_ckpt_integrations"
-FLOOR = 777  # fully annotated functions on main (of 878, 88%): raise it, never lower it
+FLOOR = 811  # fully annotated functions on main (of 905, 90%): raise it, never lower it
 MYPY_CEILING = 50  # mypy errors on annotated code (169 before the annotation round): lower it as they are fixed
 
 
