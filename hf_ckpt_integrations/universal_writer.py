@@ -116,7 +116,10 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
     tag_dir, _ = resolve_tag_dir(src, tag)
     for t in plan.tensors:
         _check_name(t.name, tag_dir)
-    optim, first = source.universal_files(tag_dir)
+    # The DeepSpeed reader kept the rank files it read (ctx.reads): every optimizer pickle and the
+    # model-states file are read once (a 1,024-rank save: 1,024 pickles, seconds each time).
+    reads = ctx.reads or {}
+    optim, first = source.universal_files(tag_dir, *([reads] if "rank_files" in reads else []))
     if not any(optim.values()):
         # Without ZeRO the optimizer's state sits inside the model-states file, keyed by position
         # (no file ties it to a name), and DeepSpeed restores a universal checkpoint only through
@@ -128,7 +131,8 @@ def plan_universal(src, *, tag: Optional[str] = None, config: Optional[str] = No
                               "stage 1-3 engines only; resume it at its own layout (engine.load_checkpoint), or "
                               "train with ZeRO stage 1-3 to change layouts (hf-ckpt export gives its weights)")
     states = OptimizerStates(tag_dir, optim)
-    return plan, states, load(first)
+    model = reads.get("model_states", {}).get(first) if first is not None else None
+    return plan, states, model if model is not None else load(first)
 
 
 _SAFE_NAME = re.compile(r"^[^/\\\x00]{1,255}$")

@@ -249,6 +249,9 @@ class PlanContext:
     options: Dict[str, Any] = field(default_factory=dict)
     config_dir: Optional[str] = None
     _config: Optional[dict] = field(default=None, repr=False)
+    # What a plan read that a later step of the same call would read again (the universal writer:
+    # the rank files and the first model-states file); None: keep nothing (a plain plan).
+    reads: Optional[Dict[str, Any]] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # One place refuses an unknown dtype (OptionError), before any source reads a file.

@@ -206,3 +206,40 @@ def test_every_file_is_fsynced_before_the_rename(tmp_path, monkeypatch):
     _write(CASES[0], dst)
     files = {p.relative_to(dst) for p in dst.rglob("*") if p.is_file()}
     assert len(files) > 10 and renamed and files <= renamed[0], sorted(files - renamed[0])[:5]
+
+
+def test_planning_reads_every_rank_file_once():
+    """``universal`` (and ``--dry-run``) read each optimizer partition file and the model-states
+    file only as much as the source's own plan does: the plan keeps what it unpickled for the
+    writer (a 1,024-rank save was read twice, seconds each time). Counted with an audit hook on
+    the real ``open`` calls."""
+    import sys
+
+    from hf_ckpt_integrations.sources import deepspeed
+    from hf_ckpt_integrations.sources.protocol import PlanContext
+    from hf_ckpt_integrations.universal_writer import plan_universal
+
+    case = FIXTURES / "0.18.9" / "zero2"
+    tag = case / "ckpt" / "global_step2"
+    files = sorted(str(p) for p in tag.iterdir() if p.name.endswith("_states.pt"))
+    assert sum("optim_states" in f for f in files) >= 2, files
+    opened = []
+    counting = [False]
+
+    def hook(event, args):
+        if counting[0] and event == "open" and isinstance(args[0], str) and args[0] in files:
+            opened.append(args[0])
+
+    def count(fn):
+        opened.clear()
+        counting[0] = True
+        try:
+            fn()
+        finally:
+            counting[0] = False
+        return {f: opened.count(f) for f in files}
+
+    sys.addaudithook(hook)  # hooks stay for the process: it counts only while `counting`
+    plan_alone = count(lambda: deepspeed.plan(PlanContext(str(case / "ckpt"), config_dir=str(case))))
+    assert all(plan_alone.values()), plan_alone
+    assert count(lambda: plan_universal(case / "ckpt", config=str(case))) == plan_alone

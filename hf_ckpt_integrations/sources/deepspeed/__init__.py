@@ -82,8 +82,12 @@ def plan(ctx: PlanContext) -> ExportPlan:
     if pipeline.is_pipeline_tag(tag_dir):
         return pipeline.plan(ctx)
     optim, models = find_rank_files(tag_dir)
+    loaded: Optional[Dict[str, Any]] = None
+    if ctx.reads is not None:  # the universal writer reads them next: keep what was read
+        ctx.reads["rank_files"] = (tag_dir, optim, models)
+        loaded = ctx.reads.setdefault("model_states", {})
     mp_ranks = sorted(optim)
-    per_mp = [plan_mp_rank(tag_dir, mp, optim[mp], models[mp], out_dtype) for mp in mp_ranks]
+    per_mp = [plan_mp_rank(tag_dir, mp, optim[mp], models[mp], out_dtype, loaded=loaded) for mp in mp_ranks]
     if len(per_mp) == 1:
         out = per_mp[0][0]
     else:
@@ -97,21 +101,30 @@ def plan(ctx: PlanContext) -> ExportPlan:
 
 
 def universal_plan(ctx: PlanContext) -> ExportPlan:
-    """The plan a universal checkpoint is written from: :func:`plan` (the names are the module's)."""
+    """The plan a universal checkpoint is written from: :func:`plan` (the names are the module's).
+    The rank files it read (their optimizer pickles already unpickled) and the model-states files
+    stay in ``ctx.reads`` for :func:`universal_files` and the writer: each file is read once."""
+    if ctx.reads is None:
+        ctx.reads = {}
     return plan(ctx)
 
 
-def universal_files(tag_dir: str) -> Tuple[Dict[int, Dict[int, RankFile]], Optional[str]]:
-    """``(optim, first model-states path)`` of ``tag_dir`` (:func:`find_rank_files`), for the universal writer."""
-    optim, models = find_rank_files(tag_dir)
+def universal_files(tag_dir: str, reads: Optional[Dict[str, Any]] = None
+                    ) -> Tuple[Dict[int, Dict[int, RankFile]], Optional[str]]:
+    """``(optim, first model-states path)`` of ``tag_dir`` (:func:`find_rank_files`), for the universal
+    writer; the ones :func:`universal_plan` found when ``reads`` (its ``ctx.reads``) holds them."""
+    found = (reads or {}).get("rank_files")
+    optim, models = found[1:] if found is not None and found[0] == tag_dir else find_rank_files(tag_dir)
     return optim, models[0].get(None) or models[0].get(0)
 
 
 def plan_mp_rank(tag_dir: str, mp_rank: int, ranks: Dict[int, RankFile], model_files: Dict[Optional[int], str],
-                 out_dtype: Optional[str]) -> Tuple[ExportPlan, Optional[Dict[str, Any]]]:
+                 out_dtype: Optional[str], *, loaded: Optional[Dict[str, Any]] = None
+                 ) -> Tuple[ExportPlan, Optional[Dict[str, Any]]]:
     """The plan of one model-parallel rank ``mp_rank``, from its data-parallel ``ranks`` and its
     model-states files (:func:`.rank_files.find_rank_files`), and its ``universal_checkpoint_info``
-    (None when not recorded): ``(ExportPlan, info)``."""
+    (None when not recorded): ``(ExportPlan, info)``. ``loaded``: where to keep the model-states
+    file read (path -> its unpickled object), for a caller that reads it next."""
     dp = len(ranks)
     if sorted(ranks) != list(range(dp)):
         # (bounded by the files present: a file named rank 10**12 must not build a range to it)
@@ -153,6 +166,8 @@ def plan_mp_rank(tag_dir: str, mp_rank: int, ranks: Dict[int, RankFile], model_f
             raise LayoutError(f"{tag_dir}: mp_rank_{mp_rank:02d}_model_states.pt is missing; copy the whole "
                               "tag directory again")
     model = load(model_path)
+    if loaded is not None:
+        loaded[model_path] = model
     param_groups = require(model, "param_shapes", model_path, "model-states")
     check_model_types(model, model_path)
     if optimizer != "ZeRO":
