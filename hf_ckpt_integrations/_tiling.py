@@ -5,7 +5,7 @@ Pure arithmetic, linear in the number of chunks; the data types are :mod:`.plan`
 """
 
 import math
-from typing import Dict, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from .boxes import pieces_numel
 
@@ -78,7 +78,7 @@ def _corner_balance(shape, boxes) -> bool:
     full = ((0,) * len(shape), tuple(shape), None)
     for lo, hi, i in [*boxes, full]:
         sign = 1 if i is not None else -1  # the boxes' measures minus the shape's
-        corners = [((), sign)]
+        corners: List[Tuple[Tuple[int, ...], int]] = [((), sign)]
         for d in dims:
             corners = [(c + (lo[d],), s) for c, s in corners] + [(c + (hi[d],), -s) for c, s in corners]
         for c, s in corners:

@@ -17,12 +17,15 @@ conversion rule, :mod:`.convert`) is the pieces of that box alone (:meth:`Tensor
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._tiling import check_tiling
 from .boxes import (Chunk, Piece, StridedPieces, box_runs, narrow_pieces, parts_as_chunks, pieces_dtypes,
                     pieces_numel, range_as_box, row_major_pieces, select_box)
 from .formats.dtypes import FLOATS, SIZES
+
+if TYPE_CHECKING:  # annotations only: plan imports dtype_rule at call time, keeping the layering
+    from .dtype_rule import KeepFp32
 
 __all__ = ["Piece", "LivePiece", "Chunk", "StridedPieces", "TensorPlan", "ExportPlan", "narrow_pieces", "box_runs", "select_box",
            "range_as_box", "check_tiling",
@@ -222,7 +225,7 @@ class ExportPlan:
     adapter: Optional[dict] = None
     # The model class's fp32-kept modules (:class:`~.dtype_rule.KeepFp32`), read from the config
     # when a 16-bit export or ``inspect`` needs them; None: nothing known to be kept.
-    keep_fp32: Optional[object] = None
+    keep_fp32: Optional["KeepFp32"] = None
 
     def tensor_bytes(self, out_dtype: Optional[str] = None) -> int:
         return sum(t.numel * SIZES[out_dtype or t.src_dtype] for t in self.tensors)

@@ -79,7 +79,7 @@ class _View:
 def _value(size: Size, params: Mapping[str, Any], where: str) -> int:
     if type(size) is int:
         return size
-    name = size[1:-1]
+    name = str(size)[1:-1]
     value = params.get(name)
     if type(value) is not int or value <= 0:
         raise LayoutError(f"{where}: needs the param {name!r} as a positive integer, the source gave {value!r}; "
@@ -92,28 +92,15 @@ def merge_tp(name: str, slices: Sequence[TensorPlan], tp: Optional[str], params:
     """The TP slices of one tensor (rank order) merged into one plan named ``name`` by ``override`` (a TP
     rule the source took from elsewhere: the checkpoint's own record, ``--tp-rule``), else by the rule's
     ``tp`` (:data:`~.rules.TP_VALUES`), through :func:`.tp_rules.merge_slices`. One slice: itself, renamed,
-    except ``tp: vocab`` on a tensor given whole, which keeps its first ``vocab_size`` rows."""
-    if len(slices) == 1 and tp == "vocab" and override is None:
-        return _vocab_rows(name, slices[0], params, where)
-    if len(slices) == 1:
-        return merge_slices(name, slices, None, "fix the rule")
+    except ``tp: vocab`` on a tensor given whole, which keeps its first ``vocab_size`` rows (the same
+    function cuts the padding of merged slices: one place decides vocabulary padding)."""
+    if len(slices) == 1:  # given whole: only a vocabulary cut applies
+        vocab = rule_from_tp(tp, where, params) if tp == "vocab" and override is None else None
+        return merge_slices(name, slices, vocab, "fix the rule")
     rule = override or rule_from_tp(tp, where, params)
     if rule is None:
         raise LayoutError(f"{name}: {len(slices)} TP slices and {where} gives no 'tp'; add one to the rule")
     return merge_slices(name, slices, rule, "fix the rule")
-
-
-def _vocab_rows(name: str, t: TensorPlan, params: Mapping[str, Any], where: str) -> TensorPlan:
-    """``tp: vocab`` on a tensor given whole (a source that places its TP slices itself, Megatron's global
-    tensors): its first ``vocab_size`` rows, as a box of its chunks (a dim-0 byte copy, nothing assembled)."""
-    vocab = _value("{vocab_size}", params, where)
-    shape = tuple(t.shape)
-    if not shape or shape[0] <= vocab or t.keep_rows is not None or t.elem_range is not None or \
-            t.reduce is not None or t.replicas or t.tied_copies:
-        return dataclasses.replace(t, name=name)
-    out_shape = (vocab,) + shape[1:]
-    chunks = select_box(t.assembled_shape(), t.placement(), (0,) * len(shape), out_shape)
-    return TensorPlan.from_chunks(name, out_shape, t.src_dtype, chunks, kind=t.kind, rule=f"{where}: tp vocab")
 
 
 def _place(name: str, shape: Tuple[int, ...], views: Sequence[Tuple[_View, Tuple[int, ...]]], rule: Rule
@@ -127,7 +114,7 @@ def _place(name: str, shape: Tuple[int, ...], views: Sequence[Tuple[_View, Tuple
         start = sum(a * math.prod(src.shape[d + 1:]) for d, a in enumerate(view.lo))
         if _contiguous(view):  # a run of the flat tensor: narrowed keeps its checks (replicas, module copy)
             return dataclasses.replace(src.narrowed(name, shape, start), hub_source=None, rule=src.rule or rule.where)
-    chunks = []
+    chunks: List[Chunk] = []
     for view, at in views:
         if view.src.replicas or view.src.reduce is not None or view.src.tied_copies:
             raise LayoutError(f"{view.src.name}: {rule.where} takes parts of it into {name}, but it is checked "
@@ -312,11 +299,15 @@ def apply_rules(rules: RuleSet, tensors: Mapping[str, Slices], params: Optional[
                                           for v, a in views], rule)
             view = _View.whole(joined)
         if rule.unstack is not None:
-            if not view.shape:
-                raise LayoutError(f"{name}: {rule.where} unstacks a 0-d tensor; fix the rule")
+            if len(view.shape) < len(rule.unstack):
+                raise LayoutError(f"{name}: {rule.where} unstacks {len(rule.unstack)} leading axes of a "
+                                  f"{len(view.shape)}-d tensor; fix the rule")
             made = []
-            for i in range(view.shape[0]):
-                made.extend(_outputs(rule, view.index(0, i), {**groups, rule.unstack: i}, params))
+            for index in itertools.product(*(range(n) for n in view.shape[:len(rule.unstack)])):
+                part = view
+                for i in index:
+                    part = part.index(0, i)
+                made.extend(_outputs(rule, part, {**groups, **dict(zip(rule.unstack, index))}, params))
         else:
             made = _outputs(rule, view, groups, params)
         out.extend(made)
@@ -342,7 +333,7 @@ def _describe(rule: Rule) -> str:
     if rule.concat:
         ops.append(f"concat dim {rule.concat.dim}")
     if rule.unstack:
-        ops.append(f"unstack {rule.unstack}")
+        ops.append(f"unstack {', '.join(rule.unstack)}")
     if rule.split:
         ops.append(f"{'interleaved ' if rule.split.groups is not None else ''}split dim {rule.split.dim}")
     if rule.transpose:

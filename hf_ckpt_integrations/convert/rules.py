@@ -60,14 +60,14 @@ class Concat:
 class Rule:
     """One rule: a source name that ``match`` (a regex, matched whole) accepts becomes ``to`` (templates;
     one per split part), after, in this order: the TP slices merged by ``tp``, the leading axis unstacked
-    (``unstack``: the variable its index binds), ``concat``, ``split``, ``transpose`` (a permutation of
+    (``unstack``: the variable its index binds; several leading axes with several variables), ``concat``, ``split``, ``transpose`` (a permutation of
     the dims). ``drop``: the reason the tensor is not written (then nothing else)."""
 
     index: int
     where: str  # "<file>: rules[<i>] (match '<pattern>')", for every message about this rule
     match: "re.Pattern[str]"
     to: Tuple[str, ...] = ()
-    unstack: Optional[str] = None
+    unstack: Optional[Tuple[str, ...]] = None  # one variable per leading axis unstacked
     split: Optional[Split] = None
     transpose: Optional[Tuple[int, ...]] = None
     concat: Optional[Concat] = None
@@ -182,6 +182,19 @@ def _numbers(obj: Any, source: str, params: Sequence[str]) -> Tuple[Numbering, .
     return tuple(out)
 
 
+def _unstack(value: Any, where: str) -> Optional[Tuple[str, ...]]:
+    """``unstack``: the variable the leading index binds (``"layer"``), or a list of them, one per leading
+    axis (``["layer", "expert"]``: Megatron's experts stacked ``[layers, experts, ...]``)."""
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not names or len(set(map(str, names))) != len(names) or \
+            not all(isinstance(n, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n) for n in names):
+        raise RuleError(f"{where}: 'unstack' names the variable the leading index binds (e.g. 'layer'), or a list "
+                        "of distinct ones for several leading axes (e.g. ['layer', 'expert']); fix the rules file")
+    return tuple(names)
+
+
 def _rule(i: int, obj: Any, source: str, params: Sequence[str], numbers: Sequence[Numbering] = ()) -> Rule:
     pattern = obj.get("match") if isinstance(obj, dict) else None
     where = f"{source}: rules[{i}]" + (f" (match {pattern!r})" if isinstance(pattern, str) else "")
@@ -211,10 +224,7 @@ def _rule(i: int, obj: Any, source: str, params: Sequence[str], numbers: Sequenc
     if tp == "vocab" and "vocab_size" not in params or tp == "row_bias" and "parallel_residual" not in params:
         need = "vocab_size" if tp == "vocab" else "parallel_residual"
         raise RuleError(f"{where}: 'tp': {tp!r} needs the param {need!r} declared in 'params'; fix the rules file")
-    unstack = obj.get("unstack")
-    if unstack is not None and (not isinstance(unstack, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", unstack)):
-        raise RuleError(f"{where}: 'unstack' names the variable the leading index binds (e.g. 'layer'); "
-                        "fix the rules file")
+    unstack = _unstack(obj.get("unstack"), where)
     split = None
     if "split" in obj:
         s = obj["split"]
@@ -245,7 +255,7 @@ def _rule(i: int, obj: Any, source: str, params: Sequence[str], numbers: Sequenc
         transpose = tuple(perm)
     # a numbered variable is known to a rule whose match has the group it numbers
     numbered = {n.var for n in numbers if n.group in match.groupindex}
-    known = set(match.groupindex) | set(params) | ({unstack} if unstack else set()) | numbered
+    known = set(match.groupindex) | set(params) | set(unstack or ()) | numbered
     for t in to + (concat.with_ if concat else ()):
         missing = [v for v in _VAR.findall(t) if v not in known]
         if missing:

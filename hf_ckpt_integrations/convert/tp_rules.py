@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import LayoutError
-from ..plan import TensorPlan
+from ..plan import TensorPlan, select_box
 
 __all__ = ["REPLICATED", "Rule", "parse_user_rule", "rule_from_universal_info", "rule_from_hf_plan",
            "rule_from_user", "rule_from_tp", "merge_slices", "resolve_rule", "all_identical", "concat_shape"]
@@ -74,7 +74,9 @@ def merge_slices(name: str, slices: Sequence[TensorPlan], rule: Optional[Rule], 
     the user does when the slices do not fit the rule (ends every refusal)."""
     first = slices[0]
     if len(slices) == 1:
-        return replace(first, name=name)
+        if rule is None or rule.keep_rows is None or not first.shape or first.shape[0] <= rule.keep_rows:
+            return replace(first, name=name)
+        return _keep_rows(name, first, rule, fix)
     if rule is None:
         raise LayoutError(f"{name}: {len(slices)} TP slices and no rule says how they merge; {fix}")
     shapes = [tuple(s.shape) for s in slices]
@@ -102,6 +104,19 @@ def merge_slices(name: str, slices: Sequence[TensorPlan], rule: Optional[Rule], 
         check = ([s.module_check[0][0] for s in slices], [s.module_check[1][0] for s in slices])
     return TensorPlan(name, shape, first.src_dtype, [s.parts[0] for s in slices], kind=first.kind, cat_dim=rule.dim,
                       part_shapes=shapes, keep_rows=keep, rule=rule.source, module_check=check)
+
+
+def _keep_rows(name: str, t: TensorPlan, rule: Rule, fix: str) -> TensorPlan:
+    """One tensor given whole (a source that placed its TP slices itself: Megatron's global tensors) cut
+    to its first ``rule.keep_rows`` rows: a box of its chunks (a dim-0 byte copy, nothing assembled). A
+    plan that already merges, sums or checks copies is refused rather than written with its padding."""
+    assert rule.keep_rows is not None
+    if t.keep_rows is not None or t.elem_range is not None or t.reduce is not None or t.replicas or t.tied_copies:
+        raise LayoutError(f"{name}: {rule.source} drops vocabulary padding to {rule.keep_rows} rows, but the "
+                          f"tensor is already a merge of several pieces; {fix}")
+    shape = (rule.keep_rows,) + tuple(t.shape[1:])
+    chunks = select_box(t.assembled_shape(), t.placement(), (0,) * len(shape), shape)
+    return TensorPlan.from_chunks(name, shape, t.src_dtype, chunks, kind=t.kind, rule=rule.source)
 
 
 def parse_user_rule(text: str) -> Tuple[str, Optional[int]]:

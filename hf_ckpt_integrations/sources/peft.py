@@ -133,7 +133,7 @@ MATCH_TIMEOUT_S = 2.0
 # ... and all of one merge's matches (modules x patterns) together within this many seconds
 # (:func:`pattern_budget`): many slow patterns must not add up to a hang either.
 MATCH_BUDGET_S = 10.0
-_BUDGET = contextvars.ContextVar("hf_ckpt_pattern_budget", default=None)
+_BUDGET: "contextvars.ContextVar[Optional[List[float]]]" = contextvars.ContextVar("hf_ckpt_pattern_budget", default=None)
 
 
 @contextlib.contextmanager
@@ -292,12 +292,12 @@ def is_targeted(cfg: dict, module: str, path) -> bool:
     resolved = targets is None or (isinstance(targets, str) and targets.lower() == "all-linear")
     if isinstance(targets, str) and not resolved:
         return _match(targets, module, path, "target_modules", full=True) is not None
-    if not resolved and module in targets:
+    if not resolved and targets is not None and module in targets:
         return True
     # null / "all-linear": peft resolves them to a list of module-name suffixes from the model (its
     # model-type defaults, every linear layer), trusted here to include this module; the layer
     # filter below still applies to such a list
-    if not resolved and not any(module.endswith(f".{t}") for t in targets):
+    if not resolved and targets is not None and not any(module.endswith(f".{t}") for t in targets):
         return False
     layers = cfg.get("layers_to_transform")
     if layers is None or layers == []:

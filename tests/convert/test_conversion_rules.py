@@ -166,6 +166,8 @@ def test_unmatched_and_twice_written_names_are_refused(tmp_path):
     ({"match": "a", "to": "x", "drop": "why"}, r"'drop' is the reason"),
     ({"match": "a", "to": "x", "rename": "y"}, r"unknown keys \['rename'\]"),
     ({"match": "a", "to": "x{0}"}, r"braces other than"),
+    ({"match": "a", "to": "x.{layer}", "unstack": ["layer", "layer"]}, r"'unstack' names the variable"),
+    ({"match": "a", "to": "x.{layer}", "unstack": []}, r"'unstack' names the variable"),
 ])
 def test_bad_rule_fails_at_load_naming_file_and_rule(tmp_path, rule, message):
     path = tmp_path / "family.json"
@@ -206,3 +208,21 @@ def test_vocab_on_a_tensor_given_whole_keeps_the_first_rows_as_a_byte_copy(tmp_p
     assert out.shape == (5, 3) and out.is_byte_copy and _read(out) == 15
     with MappedFiles() as files:
         assert np.array_equal(_values(out, files), w[:5])
+
+
+def test_unstack_of_two_leading_axes_is_a_box_per_index_pair(tmp_path):
+    # Megatron's experts: [layers, experts, 2F, H] stacked, [gate; up] per expert -> one (layer, expert) box each
+    w = np.arange(2 * 3 * 4 * 2, dtype=np.float32).reshape(2, 3, 4, 2)
+    rules = parse_rules({"rules": [
+        {"match": "fc1", "unstack": ["layer", "expert"], "split": {"dim": 0, "sizes": [2, 2]},
+         "to": ["l{layer}.e{expert}.w1", "l{layer}.e{expert}.w3"]}]}, "moe.json")
+    done = apply_rules(rules, {"fc1": _plan(tmp_path, "fc1", w)})
+    by = {t.name: t for t in done.tensors}
+    assert len(by) == 2 * 3 * 2 and done.conversions[0]["op"] == "unstack layer, expert, split dim 0"
+    with MappedFiles() as files:
+        for layer in range(2):
+            for expert in range(3):
+                gate = by[f"l{layer}.e{expert}.w1"]
+                assert np.array_equal(_values(gate, files), w[layer, expert, :2])
+                assert np.array_equal(_values(by[f"l{layer}.e{expert}.w3"], files), w[layer, expert, 2:])
+                assert _read(gate) == 4 and gate.is_byte_copy  # that expert's gate rows only

@@ -139,3 +139,21 @@ def test_the_one_tp_merge_concatenates_keeps_module_checks_and_drops_vocab_paddi
     with pytest.raises(LayoutError, match=r"embed: merged as replicated \(r\), but its 2 TP slices hold shapes "
                                           r".*; pass --tp-rule"):
         merge_slices("embed", [ss[0], _slices(tmp_path, "v", full, 3)[0]], Rule(None, "r"), "pass --tp-rule")
+
+
+def test_one_slice_given_whole_cuts_vocab_padding_in_the_same_merge_or_refuses(tmp_path):
+    # The one TP merge also decides the padding of a tensor given whole (Megatron's global tensors):
+    # its first keep_rows rows as a byte copy; a plan that already merges pieces is refused, never
+    # written with its padding.
+    full = np.arange(24, dtype=np.float32).reshape(6, 4)
+    (whole,) = _slices(tmp_path, "w", full, 1)
+    t = merge_slices("embed", [whole], Rule(0, "rules: tp vocab", keep_rows=5), "fix the rule")
+    assert (t.shape, t.is_byte_copy, t.rule) == ((5, 4), True, "rules: tp vocab")
+    with MappedFiles() as files:
+        assert (torch_tensor(t, files).numpy() == full[:5]).all()
+    assert merge_slices("embed", [whole], Rule(0, "r", keep_rows=6), "fix").shape == (6, 4)  # nothing to cut
+    merged = merge_slices("w", _slices(tmp_path, "r", full, -2), Rule(None, "replicated"), "fix")
+    assert merged.replicas
+    with pytest.raises(LayoutError, match=r"embed: rules: tp vocab drops vocabulary padding to 5 rows, but the "
+                                          r"tensor is already a merge of several pieces; fix the rule"):
+        merge_slices("embed", [merged], Rule(0, "rules: tp vocab", keep_rows=5), "fix the rule")

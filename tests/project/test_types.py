@@ -13,8 +13,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "hf_ckpt_integrations"
-FLOOR = 811  # fully annotated functions on main (of 905, 90%): raise it, never lower it
-MYPY_CEILING = 50  # mypy errors on annotated code (169 before the annotation round): lower it as they are fixed
+FLOOR = 866  # fully annotated functions on main (of 960, 90%): raise it, never lower it
+MYPY_CEILING = 36  # mypy errors on annotated code (169 before the annotation round): lower it as they are fixed
 
 
 def annotated(pkg: Path = PKG):

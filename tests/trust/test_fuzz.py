@@ -43,6 +43,8 @@ CASE_TIMEOUT_S = 30  # one fuzz case (export + verify of a 0.4 MB model); longer
 
 _FILES = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
           "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+# ZeRO-3: per-rank model states (each tensor's pieces as one StridedPieces, issue 39) and optimizer partitions
+_FILES_Z3 = [f"zero_pp_rank_{r}_mp_rank_00_{k}_states.pt" for r in (0, 1) for k in ("model", "optim")]
 
 
 _SOURCE_DAMAGE = "fails its CRC-32 check"
@@ -70,9 +72,11 @@ def _structure_offsets(path):
 
 
 class _Fuzz:
-    """One working copy of the ZeRO-2 case, restored before each example, and the original export."""
+    """One working copy of an engine case (ZeRO-2 unless told), restored before each example, and the
+    original export."""
 
-    def __init__(self, case, root):
+    def __init__(self, case, root, files=tuple(_FILES)):
+        self.files = list(files)
         self.orig, self.config = case / "ckpt", case / "config"
         self.src = root / "src"
         shutil.copytree(self.orig, self.src)
@@ -89,8 +93,8 @@ class _Fuzz:
             pieces = [p for part in t.parts for p in part] + [p for r in (t.replicas or []) for p in r]
             self.ranges[t.name] = [(os.path.basename(p.path), p.offset, p.offset + p.numel * DTYPE_SIZES[p.dtype])
                                    for p in pieces]
-        self.pristine = {f: (self.orig / TAG / f).read_bytes() for f in _FILES}
-        self.structure = {f: _structure_offsets(self.orig / TAG / f) for f in _FILES}
+        self.pristine = {f: (self.orig / TAG / f).read_bytes() for f in self.files}
+        self.structure = {f: _structure_offsets(self.orig / TAG / f) for f in self.files}
 
     def restore(self):
         for f, data in self.pristine.items():
@@ -211,12 +215,31 @@ _VALUES = st.one_of(
 )
 
 
+@pytest.fixture(scope="module")
+def fuzz_z3(engine_ckpt, tmp_path_factory):
+    f = _Fuzz(engine_ckpt("z3-fp32"), tmp_path_factory.mktemp("fuzz-z3"), _FILES_Z3)
+    yield f
+    print(f"\nfuzz (ZeRO-3) outcomes: {dict(f.outcomes)} in {f.count} cases", file=sys.__stderr__)
+
+
 @settings(max_examples=FUZZ_EXAMPLES or 150, **_SETTINGS)
 @given(data=st.data())
 def test_fuzz_pickled_metadata(fuzz, capsys, data):
     """One value of the pickled tree replaced (or its key deleted, or an int nudged), file re-saved."""
+    _mutate_pickled_metadata(fuzz, capsys, data)
+
+
+@settings(max_examples=FUZZ_EXAMPLES or 80, **_SETTINGS)
+@given(data=st.data())
+def test_fuzz_pickled_metadata_zero3(fuzz_z3, capsys, data):
+    """The same on a ZeRO-3 save: shapes, partition counts and offsets that the lazily made pieces
+    (``boxes.StridedPieces``) are computed from."""
+    _mutate_pickled_metadata(fuzz_z3, capsys, data)
+
+
+def _mutate_pickled_metadata(fuzz, capsys, data):
     fuzz.restore()
-    name = data.draw(st.sampled_from(_FILES), label="file")
+    name = data.draw(st.sampled_from(fuzz.files), label="file")
     path = fuzz.src / TAG / name
     obj = torch.load(path, map_location="cpu", weights_only=False)
     paths = [p for p in _leaves(obj) if p]
@@ -309,8 +332,18 @@ def _structural(data, old):
 def test_fuzz_tree_structure(fuzz, capsys, data):
     """One node of the unpickled tree replaced by a structural mutation of it (deep nesting, a DAG, a
     cycle, a huge container, another type, a view of a tensor), then torch.save again."""
+    _mutate_tree(fuzz, capsys, data)
+
+
+@settings(max_examples=FUZZ_EXAMPLES or 40, **_SETTINGS)
+@given(data=st.data())
+def test_fuzz_tree_structure_zero3(fuzz_z3, capsys, data):
+    _mutate_tree(fuzz_z3, capsys, data)
+
+
+def _mutate_tree(fuzz, capsys, data):
     fuzz.restore()
-    name = data.draw(st.sampled_from(_FILES), label="file")
+    name = data.draw(st.sampled_from(fuzz.files), label="file")
     path = fuzz.src / TAG / name
     obj = torch.load(path, map_location="cpu", weights_only=False)
     target = data.draw(st.sampled_from([p for p in _leaves(obj) if p]), label="path")
@@ -388,8 +421,18 @@ def _replace_pickle(path, pkl: bytes):
 @given(data=st.data())
 def test_fuzz_pickle_opcodes(fuzz, capsys, data):
     """The data.pkl opcode stream itself mutated (see ``_opcode_mutation``), the zip rebuilt around it."""
+    _mutate_opcodes(fuzz, capsys, data)
+
+
+@settings(max_examples=FUZZ_EXAMPLES or 40, **_SETTINGS)
+@given(data=st.data())
+def test_fuzz_pickle_opcodes_zero3(fuzz_z3, capsys, data):
+    _mutate_opcodes(fuzz_z3, capsys, data)
+
+
+def _mutate_opcodes(fuzz, capsys, data):
     fuzz.restore()
-    name = data.draw(st.sampled_from(_FILES), label="file")
+    name = data.draw(st.sampled_from(fuzz.files), label="file")
     path = fuzz.src / TAG / name
     with zipfile.ZipFile(path) as zf:
         pkl = zf.read(next(n for n in zf.namelist() if n.endswith("data.pkl")))

@@ -340,7 +340,7 @@ def _plan(ctx: PlanContext, *, universal: bool) -> ExportPlan:
     found = {n: rules.find(n) if rules is not None else None for n in names}
     for n, f in found.items():
         if rules is not None and f is None:
-            raise LayoutError(f"{tag_dir}: parameter {n} matches no rule of the {rules.source}; pass "
+            raise LayoutError(f"{tag_dir}: parameter {n} matches no rule in {rules.source}; pass "
                               "--source-option name_map=FILE with a rule for it (docs: 'Pipeline parallelism')")
     has_row_bias = any(f is not None and f[0].tp == "row_bias" for f in found.values())
     # the config's use_parallel_residual, read when a row-parallel bias of several TP slices needs it
@@ -350,7 +350,8 @@ def _plan(ctx: PlanContext, *, universal: bool) -> ExportPlan:
     row_biases = []
     one_copy = universal_tp_rules(rules, names) if rules is not None and universal else {}
     for n in names if tp > 1 else ():
-        rule = found[n][0] if found[n] is not None else None
+        hit = found[n]
+        rule = hit[0] if hit is not None else None
         if rule is not None and rule.drop is not None:
             continue
         if n in one_copy:
@@ -376,7 +377,8 @@ def _plan(ctx: PlanContext, *, universal: bool) -> ExportPlan:
     else:  # native names: the rules (when chosen) give the TP merges and the drops only
         out, dropped = [], []
         for n, ss in slices.items():
-            rule = found[n][0] if found[n] is not None else None
+            hit = found[n]
+            rule = hit[0] if hit is not None else None
             if rule is not None and rule.drop is not None:
                 dropped.append(f"{n} ({rule.drop})")
                 continue
