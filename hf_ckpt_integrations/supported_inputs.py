@@ -37,7 +37,8 @@ INPUTS: Tuple[InputKind, ...] = (
     InputKind("Megatron-Core save", "`latest_checkpointed_iteration.txt` + `iter_NNNNNNN/` (`torch_dist` "
               "`.metadata` + `__R_N.distcp`, or legacy `mp_rank_TT[_PPP]/model_optim_rng.pt`)",
               "Megatron-LM / Megatron-Core 0.16 (`dist_checkpointing.save`, `save_checkpoint`), NeMo, verl/slime "
-              "Megatron backends: Llama/Qwen2 GPT models", "megatron.md"),
+              "Megatron backends: Llama/Qwen2 and GPT (→ GPTBigCode) models, any TP/PP/VPP/DP, with or without the "
+              "distributed optimizer", "megatron.md"),
     InputKind("DeepSpeed universal checkpoint", "`zero/<param>/fp32.pt`", "`ds_to_universal`, `hf-ckpt universal`",
               "universal.md"),
     InputKind("HF directory", "`model.safetensors[.index.json]` or `pytorch_model.bin[.index.json]`",

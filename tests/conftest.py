@@ -182,7 +182,8 @@ CASES = {
     "autoep-z1": ("ds_autoep_train.py", 2, ["--stage", "1"]),
     "autoep-z2-bf16": ("ds_autoep_train.py", 2, ["--stage", "2", "--dtype", "bf16"]),
     # Megatron-Core 0.16.1 GPTModel saves (tests/sources/megatron/test_megatron.py): one 4-rank launch writes every layout
-    # (TP 2, PP 2, TP 2 x PP 2, DP 4, tied, Qwen2 q/k/v biases) in both formats (torch_dist and legacy mp_rank_*), ~30 s.
+    # (TP 2, PP 2, TP 2 x PP 2, DP 4, tied, Qwen2 q/k/v biases, GPT MHA/MQA, PP 2 x VPP 2; DP 4 and TP 2 also with the
+    # distributed optimizer) in both formats (torch_dist and legacy mp_rank_*), ~60 s.
     "megatron": ("megatron_train.py", 4, []),
 
     # hf-ckpt universal, resumed under DeepSpeed's load_universal at another layout ("-to1": 1 rank...)

@@ -20,7 +20,9 @@ from .layout import GlobalTensor
 
 RULES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rules")
 # family -> its rules file. Qwen2 is Llama's layout with q/k/v biases (llama.json's linear_qkv.bias rule).
-FILES: Dict[str, str] = {"llama": "llama.json", "qwen2": "llama.json"}
+FILES: Dict[str, str] = {"llama": "llama.json", "qwen2": "llama.json", "gpt": "gpt.json"}
+FILES["mixtral"] = "mixtral.json"  # MoE: router + SequentialMLP experts (stacked [layers, experts, ...])
+FILES["qwen2_moe"] = "qwen2_moe.json"  # the same + q/k/v biases + a gated shared expert
 _LOADED: Dict[str, RuleSet] = {}
 # The tensors whose rows are the (padded) vocabulary: the rules keep the first vocab_size rows.
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
