@@ -3,7 +3,7 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 PYTEST_ARGS ?=
 
-.PHONY: help setup demo test test-fast test-main test-cai docs notebooks bench bench-scale fuzz mutants clean gpu-check
+.PHONY: help setup demo test test-fast test-main test-cai docs notebooks bench bench-scale bench-megatron fuzz mutants clean gpu-check
 
 help:
 	@echo "make demo   - train a tiny Llama under DeepSpeed ZeRO-3, export, verify, reload"
@@ -21,6 +21,8 @@ help:
 	@echo "make bench-scale - export 1, 5 and 20 GB synthetic saves (ZeRO-3, DCP, per-rank files, universal)"
 	@echo "              against cp of the same bytes, cold and warm, and the 1,024-rank MoE plan simulation;"
 	@echo "              needs root (drops the page cache), ~45 GB free under BENCH_SCRATCH and about an hour"
+	@echo "make bench-megatron - export a Megatron-Core torch_dist save against slime's converter and mbridge"
+	@echo "              (MBRIDGE=DIR holding mbridge's package; without it, slime only; not part of make test)"
 	@echo "make fuzz   - the hostile-input fuzz tests with many more cases than make test runs"
 	@echo "make gpu-check - every save-time path on real GPUs with NCCL (needs CUDA; not part of make test)"
 
@@ -67,6 +69,13 @@ bench-scale: setup
 	.venv/bin/python benchmarks/disk_bench.py --scratch $(BENCH_SCRATCH) --sizes 5 --layouts dcp --rounds 3 \
 		--parallel 2 --shard 1GB --tag=-par --peer-max-gb 0 --doc
 	.venv/bin/python benchmarks/scale_bench.py --moe --rounds 1
+
+# hf-ckpt export of a real Megatron-Core 0.16.1 torch_dist save (~0.9 GB) against slime's converter
+# (benchmarks/peers/slime) and mbridge (MBRIDGE=DIR: its package, never installed into .venv; GitHub main:
+# PyPI 0.15.1 fails on transformers 5). Not part of make test or make bench.
+MBRIDGE ?=
+bench-megatron: setup
+	.venv/bin/python benchmarks/megatron_bench.py --layers 32 $(if $(MBRIDGE),--mbridge $(MBRIDGE)) $(BENCH_ARGS)
 
 fuzz: setup
 	HFCKPT_FUZZ_EXAMPLES=$${HFCKPT_FUZZ_EXAMPLES:-5000} .venv/bin/python -m pytest tests/trust/test_fuzz.py $(wildcard tests/trust/test_fuzz_*.py) -q
