@@ -14,19 +14,26 @@ So the unpickler is the pure-Python one, instrumented: it counts opcodes and the
 before any tree exists (stack, marked stacks, memo), hashes only
 shallow keys, calls allowlisted callables only with arguments they cannot blow up on, and
 the loaded tree is walked once, iteratively, within :data:`MAX_DEPTH` and :data:`MAX_NODES`
-(counting shared nodes every time they are reached). Anything over a budget is a
+(counting shared nodes every time they are reached, but a small shared stand-in once:
+:data:`SHARED_SMALL`). Anything over a budget is a
 :class:`~..errors.CheckpointError`, in bounded time and memory.
 """
 
 import _compat_pickle
 import collections
+import contextlib
+import gc
 import io
 import os
 import pickle
 import reprlib
-from typing import Any, Callable, Iterable, Mapping, NoReturn, Optional, Protocol
+import struct
+from typing import Any, Callable, Iterable, Iterator, Mapping, NoReturn, Optional, Protocol
 
 from ..errors import CheckpointError, UnsafeCheckpointError, short_repr
+# The stand-ins and shared allowlists live beside; re-exported here, where readers look for them.
+from .pickle_values import (ATOMS, CLIENT_STATE, CONTAINERS, EnumMember, Leaf, NumpyArray, NumpyDtype,
+                            NumpyScalar, Opaque, Record, StandIn, check_key, check_keys, record_type)
 
 # An allowlist: module -> {name -> the stand-in (a class, function or marker) a global becomes}.
 Allowlist = Mapping[str, Any]
@@ -41,236 +48,16 @@ class PickleInput(Protocol):
 
 __all__ = ["StandIn", "Leaf", "Opaque", "Record", "record_type", "CONTAINERS", "CLIENT_STATE", "NumpyArray",
            "NumpyDtype", "NumpyScalar", "EnumMember", "loads",
-           "load_pickle", "load_stream", "MAX_PICKLE_BYTES", "MAX_OPS", "MAX_NODES", "MAX_DEPTH"]
+           "load_pickle", "load_stream", "gc_paused", "MAX_PICKLE_BYTES", "MAX_OPS", "MAX_NODES", "MAX_DEPTH", "SHARED_SMALL"]
 
 # Budgets for one file's pickle (a DeepSpeed data.pkl of a 70B model is a few MB, its tree
 # ~10^5 nodes, 8 levels deep): far above any real checkpoint, far below what hurts a machine.
 MAX_PICKLE_BYTES = 512 * 2**20
 MAX_OPS = 20_000_000  # opcodes executed (each makes at most one object)
-MAX_NODES = 2_000_000  # tree nodes, a shared node counted each time it is reached
+MAX_NODES = 2_000_000  # tree nodes, a shared node counted each time it is reached (but see SHARED_SMALL)
+SHARED_SMALL = 256  # a shared stand-in of at most this many nodes counts once, then 1 per reference
 MAX_DEPTH = 100
 _CHECK_EVERY = 65536  # opcodes between two checks of the objects the unpickler holds
-_MAX_KEY_LEN = 16  # a tuple used as a dict key or set element: this many atoms at most
-
-
-class StandIn:
-    """Base of the inert stand-ins an allowlist may name for a class: only these may be created
-    (NEWOBJ) and have their state set (BUILD); the loaded tree's walk counts what they hold."""
-
-
-class Leaf:
-    """Base of values a reader builds that hold nothing from the pickle (a tensor reference):
-    counted, never walked."""
-
-
-class Opaque(StandIn):
-    """Inert stand-in for an allowlisted object whose content is plain data (e.g. LossScaler)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __repr__(self) -> str:
-        return f"Opaque({self.__dict__!r})"
-
-
-class Record(StandIn):
-    """Inert stand-in for an allowlisted plain-data class of another library's pickle (torch DCP's
-    ``Metadata``, ``ChunkStorageMetadata``...): NEWOBJ makes an empty one, BUILD stores the pickled
-    state as ``state`` (a dict of fields, or the tuple a ``__getstate__`` returned). Nothing else
-    runs. Hashed by identity, so a record may key a dict (DCP's ``MetadataIndex``) without the
-    unpickler hashing anything it read. Make one type per class with :func:`record_type`."""
-
-    kind = "Record"
-
-    def __init__(self, *args: Any) -> None:
-        self.state: Any = None
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def field(self, name: str, default: Any = None) -> Any:
-        """Field ``name`` of a dict state (``default`` when absent or the state is not a dict)."""
-        return self.state.get(name, default) if type(self.state) is dict else default
-
-    def __repr__(self) -> str:
-        return f"{self.kind}({short_repr(self.state)})"
-
-
-def record_type(name: str) -> type:
-    """A :class:`Record` subclass named ``name``, for one allowlisted class."""
-    return type(name, (Record,), {"kind": name})
-
-
-def _check_key(key: object) -> None:
-    """Dict keys and set elements get hashed (and compared): only atoms, or short tuples of atoms —
-    hashing a nested tuple DAG takes 2^depth steps."""
-    if type(key) in _ATOMS or isinstance(key, Record):
-        return
-    if type(key) is tuple and len(key) <= _MAX_KEY_LEN and all(type(k) in _ATOMS for k in key):
-        return
-    raise CheckpointError(f"a dict key or set element of type {type(key).__name__} "
-                          f"({short_repr(key)}); checkpoints key by names and numbers only")
-
-
-_ATOMS = (str, int, float, bool, bytes, type(None))
-
-
-def _check_keys(keys: Iterable[object]) -> None:
-    for k in keys:
-        _check_key(k)
-
-
-def _guarded_set(iterable: Iterable[Any] = ()) -> set[Any]:
-    items = list(iterable)
-    _check_keys(items)
-    return set(items)
-
-
-def _guarded_frozenset(iterable: Iterable[Any] = ()) -> frozenset[Any]:
-    items = list(iterable)
-    _check_keys(items)
-    return frozenset(items)
-
-
-def _guarded_ordered_dict(*args: Any) -> "collections.OrderedDict[Any, Any]":
-    if len(args) > 1:
-        raise CheckpointError("OrderedDict with more than one argument")
-    out: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-    for pair in (list(args[0]) if args else ()):
-        if type(pair) not in (tuple, list) or len(pair) != 2:
-            raise CheckpointError("OrderedDict built from something other than pairs")
-        _check_key(pair[0])
-        out[pair[0]] = pair[1]
-    return out
-
-
-
-# Plain containers: what every torch pickle may use (module -> name -> stand-in).
-CONTAINERS = {
-    "collections": {"OrderedDict": _guarded_ordered_dict},
-    "builtins": {"set": _guarded_set, "frozenset": _guarded_frozenset, "slice": slice},
-}
-
-
-# Client state: what training loops save beside the weights (DeepSpeed's ``client_state``, Megatron's
-# model_optim_rng.pt). GPT-NeoX's save_ds_checkpoint and Megatron-(DeepSpeed)'s save_checkpoint store
-# ``random.getstate()`` (plain tuples), ``np.random.get_state()`` (a numpy uint32 array), torch RNG
-# ByteTensors, ``args`` as an ``argparse.Namespace`` (holding torch dtypes, paths, Megatron enums) and
-# floats; nothing here reads any of it, so each is rebuilt as an inert record of what the pickle says
-# (no numpy import, no constructor called) and the weights beside it are read as usual.
-class NumpyDtype(StandIn):
-    """A numpy dtype as pickled: ``numpy.dtype(descr, align, copy)`` then its state (byte order, fields...)."""
-
-    def __init__(self, descr: Any, align: Any = False, copy: Any = False) -> None:
-        if type(descr) is not str or len(descr) > 32 or type(align) is not bool or type(copy) is not bool:
-            raise CheckpointError(f"numpy.dtype{short_repr((descr, align, copy))} is not a dtype")
-        self.descr, self.state = descr, None
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __repr__(self) -> str:
-        return f"numpy.dtype({self.descr!r})"
-
-
-class NumpyArray(StandIn):
-    """A numpy array as pickled (``_reconstruct(ndarray, (0,), b'b')`` then its state ``(version,
-    shape, dtype, fortran, raw bytes)``): the raw bytes are kept, never interpreted."""
-
-    def __init__(self) -> None:
-        self.shape: Optional[tuple[int, ...]] = None
-        self.dtype: Optional[NumpyDtype] = None
-        self.data: Any = None
-
-    def __setstate__(self, state: Any) -> None:
-        if not (type(state) is tuple and len(state) == 5 and isinstance(state[2], NumpyDtype)
-                and type(state[1]) is tuple and len(state[1]) <= 64
-                and all(type(d) is int and d >= 0 for d in state[1])):
-            raise CheckpointError(f"a numpy array with the state {short_repr(state)}; the file is corrupt or crafted")
-        _version, self.shape, self.dtype, _fortran, self.data = state
-
-    def __repr__(self) -> str:
-        return f"numpy.ndarray(shape={self.shape}, dtype={self.dtype!r})"
-
-
-class NumpyScalar(StandIn):
-    """A numpy scalar (``np.float32(1.5)``) as pickled: ``scalar(dtype, raw bytes)``."""
-
-    def __init__(self, dtype: Any = None, data: Any = None) -> None:
-        if not isinstance(dtype, NumpyDtype):
-            raise CheckpointError(f"a numpy scalar of {short_repr(dtype)}, not of a dtype; the file is corrupt")
-        self.dtype, self.data = dtype, data
-
-    def __repr__(self) -> str:
-        return f"numpy.{self.dtype.descr}({self.data!r})"
-
-
-class EnumMember(StandIn):
-    """A member of an allowlisted enum, as pickled (the class called with its value): the value only."""
-
-    kind = "Enum"
-
-    def __init__(self, value: Any = None) -> None:
-        if type(value) not in _ATOMS:
-            raise CheckpointError(f"{self.kind}({short_repr(value)}): an enum member is a name or a number")
-        self.value = value
-
-    def __repr__(self) -> str:
-        return f"{self.kind}({self.value!r})"
-
-
-def _enum_type(name: str) -> type:
-    return type(name, (EnumMember,), {"kind": name})
-
-
-_NDARRAY = object()  # what ``numpy.ndarray`` stands for: only _reconstruct may take it
-
-
-def _np_reconstruct(cls: Any, shape: Any, typecode: Any) -> NumpyArray:
-    # numpy's own arguments are always (ndarray, (0,), b'b'); anything else (another class, a callable
-    # the pickle hands over) is not a plain array
-    if cls is not _NDARRAY or shape != (0,) or typecode != b"b":
-        raise UnsafeCheckpointError(f"refused for safety: numpy's _reconstruct called with "
-                                    f"{short_repr((cls, shape, typecode))}, not a plain array")
-    return NumpyArray()
-
-
-def _latin1(text: Any, encoding: Any) -> bytes:
-    # protocol 2 spells bytes as _codecs.encode(str, "latin1"); nothing else is needed
-    if type(text) is not str or encoding not in ("latin1", "latin-1"):
-        raise UnsafeCheckpointError(f"refused for safety: _codecs.encode{short_repr((text, encoding))}")
-    return text.encode("latin-1")
-
-
-def _path(*parts: Any) -> str:
-    if len(parts) > 4096 or not all(type(x) is str for x in parts):
-        raise CheckpointError(f"a path of {short_repr(parts)}, not of names")
-    return "/".join(x.rstrip("/") for x in parts) if parts else "."
-
-
-_NUMPY_CORE = {"_reconstruct": _np_reconstruct, "scalar": NumpyScalar}
-_PATHS = {n: _path for n in ("Path", "PosixPath", "PurePath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
-
-# module -> name -> stand-in, for client state (see above). numpy 1 pickles ``numpy.core.multiarray``,
-# numpy 2 ``numpy._core.multiarray``; Python 3.13 pickles paths as ``pathlib._local``.
-CLIENT_STATE = {
-    "numpy": {"ndarray": _NDARRAY, "dtype": NumpyDtype},
-    "numpy.core.multiarray": _NUMPY_CORE,
-    "numpy._core.multiarray": _NUMPY_CORE,
-    "_codecs": {"encode": _latin1},
-    "argparse": {"Namespace": Opaque},
-    "types": {"SimpleNamespace": Opaque},
-    "pathlib": _PATHS,
-    "pathlib._local": _PATHS,
-    # Megatron's args: args.model_type (ModelType), args.attention_backend (AttnBackend)
-    "megatron.model.enums": {"ModelType": _enum_type("ModelType")},
-    "megatron.core.enums": {"ModelType": _enum_type("ModelType")},
-    "megatron.core.transformer.enums": {"AttnBackend": _enum_type("AttnBackend"),
-                                        "ModelType": _enum_type("ModelType")},
-}
 
 
 class _Unpickler(_pickle._Unpickler):
@@ -285,7 +72,11 @@ class _Unpickler(_pickle._Unpickler):
         self._path = path
         self._allowed = allowed
         self._persistent_load = persistent_load  # None: a plain pickle, persistent ids refused
+        self._file = file
         self._parked = 0  # objects on the stacks that MARKs set aside (self.metastack)
+        # The whole pickle, when it is in memory (:func:`loads`): the common opcodes run inline.
+        self._memfile: Optional[io.BytesIO] = file if type(file) is io.BytesIO else None
+        self._data: Optional[bytes] = None if self._memfile is None else self._memfile.getvalue()
 
     def load(self) -> Any:
         # pickle._Unpickler.load with an opcode budget (CPython 3.8+ internals: _Unframer, _Stop),
@@ -301,6 +92,8 @@ class _Unpickler(_pickle._Unpickler):
         self.proto = 0
         read, dispatch, left = self.read, self._dispatch, MAX_OPS
         try:
+            if self._data is not None and self._memfile is not None:
+                left = self._load_inline(self._memfile, self._data, left)
             while left > 0:
                 n = min(left, _CHECK_EVERY)
                 for _ in range(n):
@@ -317,6 +110,94 @@ class _Unpickler(_pickle._Unpickler):
         raise CheckpointError(f"{self._path}: its pickle runs past {MAX_OPS} operations; no checkpoint's "
                               "metadata is that large: the file is corrupt or crafted")
 
+    def _load_inline(self, file: io.BytesIO, data: bytes, left: int) -> int:
+        """Run the pickle in ``data`` from the file's position, the opcodes torch's pickles are made
+        of (~95% of a DTensor state dict's: memo, small ints, strings, tuples, marks) inline on the
+        bytes, each as :class:`pickle._Unpickler` runs it; every other opcode through the dispatch
+        table above (so through the same checks), the file positioned at it. Up to STOP (raised as
+        the standard loop raises it), or a FRAME, after which the standard loop reads through the
+        frames. Returns the opcode budget left; the same budgets and checks as :meth:`load`, ~3x
+        faster: 9.8M opcodes of a 45,395-DTensor rank file took 4 s in the standard loop."""
+        dispatch, unpack_from = self._dispatch, struct.unpack_from
+        memo = self.memo
+        pos = file.tell()
+        stack = self.stack
+        append = stack.append
+        end = len(data)
+        while left > 0:  # the opcode budget, as in load()
+            n = min(left, _CHECK_EVERY)
+            for done in range(n):
+                if pos >= end:
+                    raise EOFError
+                op = data[pos]
+                pos += 1
+                if op == _LONG_BINPUT:
+                    memo[unpack_from("<I", data, pos)[0]] = stack[-1]
+                    pos += 4
+                elif op == _BINGET:
+                    i = data[pos]
+                    pos += 1
+                    if i not in memo:
+                        raise pickle.UnpicklingError(f"Memo value not found at index {i}")
+                    append(memo[i])
+                elif op == _BININT1:
+                    append(data[pos])
+                    pos += 1
+                elif op == _TUPLE2:
+                    stack[-2:] = [(stack[-2], stack[-1])]
+                elif op == _MARK:
+                    self._parked += len(stack)
+                    self.metastack.append(stack)
+                    self.stack = stack = []
+                    self.append = append = stack.append
+                elif op == _TUPLE1:
+                    stack[-1] = (stack[-1],)
+                elif op == _TUPLE:
+                    items = stack
+                    self.stack = stack = self.metastack.pop()
+                    self.append = append = stack.append
+                    self._parked -= len(stack)
+                    append(tuple(items))
+                elif op == _BINUNICODE or op == _SHORT_BINUNICODE:
+                    if op == _BINUNICODE:
+                        size = unpack_from("<I", data, pos)[0]
+                        pos += 4
+                    else:
+                        size = data[pos]
+                        pos += 1
+                    if pos + size > end:
+                        raise EOFError
+                    append(str(data[pos:pos + size], "utf-8", "surrogatepass"))
+                    pos += size
+                elif op == _EMPTY_TUPLE:
+                    append(())
+                elif op == _EMPTY_DICT:
+                    append({})
+                elif op == _NEWFALSE:
+                    append(False)
+                elif op == _NONE:
+                    append(None)
+                elif op == _BINPUT:
+                    memo[data[pos]] = stack[-1]
+                    pos += 1
+                elif op == _TUPLE3:
+                    stack[-3:] = [(stack[-3], stack[-2], stack[-1])]
+                elif op == _FRAME:  # framed (protocol 4+): the standard loop from here
+                    file.seek(pos - 1)
+                    return left - done  # the FRAME itself is the standard loop's first opcode
+                else:
+                    file.seek(pos)
+                    dispatch[op](self)  # STOP raises _Stop with the value
+                    pos = file.tell()
+                    stack = self.stack
+                    append = stack.append
+            left -= n
+            if len(stack) + self._parked + len(self.metastack) + len(memo) > 2 * MAX_NODES:
+                raise CheckpointError(f"{self._path}: its pickle holds over {2 * MAX_NODES} objects at once; no "
+                                      "checkpoint's metadata is that large: the file is corrupt or crafted")
+        file.seek(pos)
+        return left
+
     def _load_mark(self) -> None:
         self._parked += len(self.stack)
         _pickle._Unpickler.load_mark(self)
@@ -328,15 +209,15 @@ class _Unpickler(_pickle._Unpickler):
 
     # Opcodes that hash (dict and set builders) see only shallow keys.
     def _load_setitem(self) -> None:
-        _check_key(self.stack[-2])
+        check_key(self.stack[-2])
         _pickle._Unpickler.load_setitem(self)
 
     def _load_setitems(self) -> None:
-        _check_keys(self.stack[0::2])  # (after MARK the stack holds k1 v1 k2 v2 ...)
+        check_keys(self.stack[0::2])  # (after MARK the stack holds k1 v1 k2 v2 ...)
         _pickle._Unpickler.load_setitems(self)
 
     def _load_dict(self) -> None:
-        _check_keys(self.stack[0::2])
+        check_keys(self.stack[0::2])
         _pickle._Unpickler.load_dict(self)
 
     def _load_newobj(self) -> None:
@@ -389,9 +270,16 @@ class _Unpickler(_pickle._Unpickler):
         return self._persistent_load(pid)
 
 
+_OPS = {name: getattr(pickle, name)[0] for name in (
+    "LONG_BINPUT", "BINPUT", "BINGET", "BININT1", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "MARK", "BINUNICODE",
+    "SHORT_BINUNICODE", "EMPTY_TUPLE", "EMPTY_DICT", "NEWFALSE", "NONE", "FRAME")}
+(_LONG_BINPUT, _BINPUT, _BINGET, _BININT1, _TUPLE, _TUPLE1, _TUPLE2, _TUPLE3, _MARK, _BINUNICODE, _SHORT_BINUNICODE,
+ _EMPTY_TUPLE, _EMPTY_DICT, _NEWFALSE, _NONE, _FRAME) = _OPS.values()
+
+
 def _hashed_items(real: Callable[["_Unpickler"], None]) -> Callable[["_Unpickler"], None]:
     def load(self: "_Unpickler") -> None:  # set builders: every element on the (marked) stack gets hashed
-        _check_keys(self.stack)
+        check_keys(self.stack)
         real(self)
     return load
 
@@ -451,8 +339,9 @@ def load_stream(file: PickleInput, *, path: str, allowed: Allowlist, where: Opti
     (torch.save's legacy format) is read one after another, without finding their ends first."""
     where = path if where is None else where
     try:
-        obj = _Unpickler(file, path, allowed, persistent_load).load()
-        _check_tree(obj, where)
+        with gc_paused():
+            obj = _Unpickler(file, path, allowed, persistent_load).load()
+            _check_tree(obj, where)
         return obj
     except CheckpointError as e:
         if str(e).startswith(path):
@@ -464,14 +353,61 @@ def load_stream(file: PickleInput, *, path: str, allowed: Allowlist, where: Opti
                               "copy it again from the training run") from None
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused while metadata is read: a pickle makes millions of objects
+    that all live on (no cycles among them), and Python's collector walked them again and again: over
+    half the CPU time of unpickling a 45,395-DTensor rank file (1.9 s of it with the collector, 0.8 s
+    without, in the C unpickler; 3.3 -> 1.9 s in ours). Nests; restores the collector as it was."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 _ERR_REPR = reprlib.Repr()
 _ERR_REPR.maxlevel, _ERR_REPR.maxstring, _ERR_REPR.maxother = 2, 200, 60
 
 
+def _children(node: Any) -> Iterable[Any]:
+    t = type(node)
+    if t in ATOMS or isinstance(node, Leaf):
+        return ()
+    if t in (dict, collections.OrderedDict):
+        return [*node.keys(), *node.values()]
+    if t in (list, tuple, set, frozenset):
+        return node
+    if isinstance(node, StandIn):
+        return vars(node).values()
+    if t is slice:
+        return (node.start, node.stop, node.step)
+    return ()  # (other stand-ins, str subclasses and StorageRef, hold nothing from the file)
+
+
+def _small(node: Any) -> bool:
+    """Whether ``node``'s tree, walked as :func:`_check_tree` walks it, has at most :data:`SHARED_SMALL` nodes."""
+    todo, count = [node], 0
+    while todo:
+        count += 1
+        if count > SHARED_SMALL:
+            return False
+        todo.extend(_children(todo.pop()))
+    return True
+
+
 def _check_tree(obj: Any, path: str) -> None:
-    """Walk the loaded tree once, level by level, within the budgets (a shared node is counted each
-    time it is reached, so a DAG or a cycle that a later walk would expand runs out of budget here)."""
+    """Walk the loaded tree once, level by level, within the budgets. A shared node is counted each time
+    it is reached (so a DAG or a cycle that a later walk would expand runs out of budget here), except a
+    stand-in of at most :data:`SHARED_SMALL` nodes reached again: its tree counts once and each further
+    reference 1 (torch pickles one DeviceMesh, ~70 nodes, that every DTensor of a rank file refers to:
+    a DeepSeek-V3 rank file counted 3.9M nodes the old way, 0.7M this way). Readers take fields of a
+    stand-in by name, so a later walk does at most that much work per reference."""
     level, depth, count = [obj], 0, 0
+    once: set[int] = set()  # stand-ins reached once
+    small: set[int] = set()  # shared stand-ins whose tree is small: not walked again
     while level:
         if depth > MAX_DEPTH:
             raise CheckpointError(f"{path}: its pickle nests deeper than {MAX_DEPTH} levels; no checkpoint "
@@ -479,19 +415,15 @@ def _check_tree(obj: Any, path: str) -> None:
         count += len(level)
         below: list[Any] = []
         for node in level:
-            t = type(node)
-            if t in _ATOMS or isinstance(node, Leaf):
-                continue
-            if t in (dict, collections.OrderedDict):
-                below.extend(node.keys())
-                below.extend(node.values())
-            elif t in (list, tuple, set, frozenset):
-                below.extend(node)
-            elif isinstance(node, StandIn):
-                below.extend(vars(node).values())
-            elif t is slice:
-                below.extend((node.start, node.stop, node.step))
-            # (other stand-ins, str subclasses and StorageRef, hold nothing from the file)
+            if isinstance(node, StandIn) and not isinstance(node, Leaf):
+                key = id(node)
+                if key in small:
+                    continue
+                if key in once and _small(node):
+                    small.add(key)
+                    continue
+                once.add(key)
+            below.extend(_children(node))
             if count + len(below) > MAX_NODES:
                 raise CheckpointError(f"{path}: its pickle describes over {MAX_NODES} objects (counting shared "
                                       "ones each time they are used); no checkpoint's metadata is that large: "

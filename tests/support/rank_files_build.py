@@ -45,7 +45,12 @@ def synthetic_layouts():
 
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(7, 6, generator=g), torch.randn(9, 4, generator=g).to(torch.bfloat16)
+    c, d, e = torch.randn(3, 5, generator=g), torch.randn(8, 3, generator=g), torch.randn(5, generator=g)
     return {
+        # FSDP2's default (every tensor Shard(0)): uneven (2, 2, 2, 1 rows) and empty (1, 1, 1, 0) shards shift
+        # the later tensors' offsets in rank 3's file; b (Shard(1)) between them is placed the general way
+        "1d-rows": ((4,), {"a": (a, [Shard(0)]), "c": (c, [Shard(0)]), "b": (b, [Shard(1)]),
+                           "d": (d, [Shard(0)]), "e": (e, [Shard(0)])}),
         "1d-uneven": ((4,), {"a": (a, [Shard(0)]), "b": (b, [Shard(1)])}),  # 2, 2, 2, 1 rows; 1-column shards
         "hsdp": ((2, 2), {"a": (a, [Replicate(), Shard(0)]), "b": (b, [Replicate(), Shard(1)])}),
         "fsdp-tp": ((2, 2), {"a": (a, [_StridedShard(0, split_factor=2), Shard(0)]), "b": (b, [Shard(0), Shard(1)])}),

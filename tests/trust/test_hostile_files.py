@@ -30,7 +30,7 @@ from helpers import REPO, assert_refused
 from helpers import export_refused as _export_refused
 
 from hf_ckpt_integrations.errors import CheckpointError
-from hf_ckpt_integrations.formats import torch_files, unpickler
+from hf_ckpt_integrations.formats import pickle_values, torch_files, unpickler
 
 
 TAG = "global_step2"
@@ -447,9 +447,9 @@ def _reason(err, path) -> str:
 # Each budget patched small; the same file passes at the limit and is refused one below it, naming
 # that budget (a budget dropped, or its comparison off by one, fails here).
 
-def _write(tmp_path, obj_or_bytes, name="meta.pkl"):
+def _write(tmp_path, obj_or_bytes, name="meta.pkl", protocol=2):
     p = tmp_path / name
-    p.write_bytes(obj_or_bytes if isinstance(obj_or_bytes, bytes) else pickle.dumps(obj_or_bytes, protocol=2))
+    p.write_bytes(obj_or_bytes if isinstance(obj_or_bytes, bytes) else pickle.dumps(obj_or_bytes, protocol=protocol))
     return p
 
 
@@ -457,8 +457,10 @@ def _loads(p):
     return unpickler.load_pickle(p, allowed={})
 
 
-def test_opcode_budget(tmp_path, monkeypatch):
-    p = _write(tmp_path, list(range(50)))
+# protocol 2 (torch.save's) runs in the inline loop over the bytes; protocol 4 is framed, read by the standard one
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_opcode_budget(tmp_path, monkeypatch, protocol):
+    p = _write(tmp_path, list(range(50)), protocol=protocol)
     ops = sum(1 for _ in pickletools.genops(p.read_bytes()))
     monkeypatch.setattr(unpickler, "MAX_OPS", ops)
     assert _loads(p) == list(range(50))
@@ -486,6 +488,52 @@ def test_shared_nodes_count_each_time_they_are_reached(tmp_path, monkeypatch):
     monkeypatch.setattr(unpickler, "MAX_NODES", 33)
     with pytest.raises(CheckpointError, match="describes over 33 objects"):
         _loads(p)
+
+
+def test_a_small_shared_stand_in_counts_once(tmp_path, monkeypatch):
+    """torch pickles one DeviceMesh that every DTensor refers to: a stand-in of at most SHARED_SMALL
+    nodes, reached again, counts 1 per reference (a DeepSeek-V3 rank file: 3.9M nodes -> 0.7M). Each
+    stand-in below is a Record whose state is {"s": [10 ints]}: 14 nodes with itself."""
+    p = _write(tmp_path, _records(copies=3, shared=True))
+    shared = 1 + 3 + (1 + 2 + 10)  # the list, 3 references, one walk of the Record's state
+    monkeypatch.setattr(unpickler, "MAX_NODES", shared)
+    assert len(_loads_records(p)) == 3
+    monkeypatch.setattr(unpickler, "MAX_NODES", shared - 1)
+    with pytest.raises(CheckpointError, match="describes over"):
+        _loads_records(p)
+    p = _write(tmp_path, _records(copies=3, shared=False), name="distinct.pkl")  # distinct: each walked
+    monkeypatch.setattr(unpickler, "MAX_NODES", 1 + 3 * 14)
+    assert len(_loads_records(p)) == 3
+    monkeypatch.setattr(unpickler, "MAX_NODES", 1 + 3 * 14 - 1)
+    with pytest.raises(CheckpointError, match="describes over"):
+        _loads_records(p)
+
+
+def test_a_large_shared_stand_in_counts_each_time(tmp_path, monkeypatch):
+    """Over SHARED_SMALL nodes, a shared stand-in is walked at every reference, as any node: a DAG of
+    stand-ins is refused as a DAG of lists is."""
+    monkeypatch.setattr(unpickler, "SHARED_SMALL", 13)
+    p = _write(tmp_path, _records(copies=3, shared=True))
+    monkeypatch.setattr(unpickler, "MAX_NODES", 1 + 3 * 14)
+    assert len(_loads_records(p)) == 3
+    monkeypatch.setattr(unpickler, "MAX_NODES", 1 + 3 * 14 - 1)
+    with pytest.raises(CheckpointError, match="describes over"):
+        _loads_records(p)
+
+
+_REC = unpickler.record_type("Rec")
+
+
+def _records(copies, shared):
+    """A protocol-2 pickle of a list of ``copies`` ``test.Rec`` objects, each NEWOBJ + BUILD with the
+    state {"s": [7] * 10}: the first one again each time (BINGET of its memo entry), or distinct ones."""
+    one = b"ctest\nRec\n)\x81" + b"q\x01" + b"}X\x01\x00\x00\x00s](" + b"K\x07" * 10 + b"esb"
+    again = b"h\x01" if shared else one
+    return b"\x80\x02](" + one + again * (copies - 1) + b"e."
+
+
+def _loads_records(p):
+    return unpickler.load_pickle(p, allowed={"test": {"Rec": _REC}})
 
 
 def test_depth_budget(tmp_path, monkeypatch):
@@ -542,9 +590,9 @@ def test_dimension_budget(tmp_path, monkeypatch):
 
 def test_dict_key_budget(tmp_path, monkeypatch):
     p = _write(tmp_path, {(1, 2, 3): "v"})
-    monkeypatch.setattr(unpickler, "_MAX_KEY_LEN", 3)
+    monkeypatch.setattr(pickle_values, "_MAX_KEY_LEN", 3)
     assert _loads(p) == {(1, 2, 3): "v"}
-    monkeypatch.setattr(unpickler, "_MAX_KEY_LEN", 2)
+    monkeypatch.setattr(pickle_values, "_MAX_KEY_LEN", 2)
     with pytest.raises(CheckpointError) as e:
         _loads(p)
     assert _reason(e.value, p).startswith("a dict key or set element of type tuple"), str(e.value)

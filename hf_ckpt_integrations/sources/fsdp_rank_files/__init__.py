@@ -46,6 +46,7 @@ from ...formats import torch_files
 from ...plan import Chunk, ExportPlan, TensorPlan, check_tiling
 from . import local
 from .placement import box_pieces, index_runs, local_indices
+from .rows import Irregular, RowShards
 from .stand_ins import ALLOWED, TYPES, DTensorRef, ShardedRef  # ALLOWED: this source's allowlist
 from ..protocol import PlanContext
 
@@ -232,7 +233,10 @@ def _describe(p: Tuple[str, int, int]) -> str:
     return {"replicate": "Replicate()", "shard": f"Shard({p[1]})", "strided": f"_StridedShard({p[1]}, {p[2]})"}[p[0]]
 
 
-def _dtensor_shard(name: str, t: DTensorRef, where: str, rank: int) -> Tuple[_Shard, Dict[str, Any]]:
+def _dtensor_meta(name: str, t: DTensorRef, where: str, rank: int, meshes: Dict[int, Any]
+                  ) -> Tuple[Tuple[int, ...], torch_files.TensorRef, Tuple[Any, ...], List[Tuple[str, int, int]]]:
+    """``(size, local tensor, (mesh shape, coordinate, dim names), placements)`` of a DTensor, checked;
+    ``meshes``: the file's meshes read so far, by identity (every DTensor of a file shares one)."""
     shape = guards.dims(t.shape, f"{name} size", where)
     local = t.local
     spec = t.spec
@@ -241,12 +245,20 @@ def _dtensor_shard(name: str, t: DTensorRef, where: str, rank: int) -> Tuple[_Sh
     if str(t.dtype) != local.dtype:
         raise LayoutError(f"{where}: DTensor {name} is {short_repr(str(t.dtype))} but its local shard {local.dtype}; the "
                           "file is corrupt")
-    mesh_shape, coord, dim_names = _mesh(spec.field("mesh"), where, rank)
+    mesh = spec.field("mesh")
+    if id(mesh) not in meshes:
+        meshes[id(mesh)] = (mesh, _mesh(mesh, where, rank))  # (the mesh kept: its id stays its own)
+    mesh_info = meshes[id(mesh)][1]
     placements = spec.field("placements")
-    if type(placements) is not tuple or len(placements) != len(mesh_shape):
-        raise LayoutError(f"{where}: DTensor {name} has placements {short_repr(placements)} for a {len(mesh_shape)}-D "
-                          "mesh; the file is corrupt")
-    placed = [_placement(p, len(shape), f"{where}: {name}") for p in placements]
+    if type(placements) is not tuple or len(placements) != len(mesh_info[0]):
+        raise LayoutError(f"{where}: DTensor {name} has placements {short_repr(placements)} for a "
+                          f"{len(mesh_info[0])}-D mesh; the file is corrupt")
+    return shape, local, mesh_info, [_placement(p, len(shape), f"{where}: {name}") for p in placements]
+
+
+def _dtensor_shard(name: str, shape: Tuple[int, ...], local: torch_files.TensorRef, mesh_info: Tuple[Any, ...],
+                   placed: List[Tuple[str, int, int]], where: str) -> _Shard:
+    mesh_shape, coord, _ = mesh_info
     idx = local_indices(shape, mesh_shape, coord, placed)
     if tuple(len(i) for i in idx) != local.shape:
         raise LayoutError(f"{where}: the shard of {name} is {list(local.shape)}, but placements "
@@ -258,9 +270,7 @@ def _dtensor_shard(name: str, t: DTensorRef, where: str, rank: int) -> Tuple[_Sh
         hi = tuple(c[0] + c[2] for c in combo)
         chunks.append(Chunk(tuple(box_pieces(local, lo, hi)), tuple(c[1] for c in combo),
                             tuple(c[2] for c in combo)))
-    facts: Dict[str, Any] = {"mesh": list(mesh_shape), "dim_names": list(dim_names),
-             "placements": [_describe(p) for p in placed]}
-    return _Shard(shape, local.dtype, chunks, ", ".join(facts["placements"])), facts
+    return _Shard(shape, local.dtype, chunks, ", ".join(map(_describe, placed)))
 
 
 def _sharded_shard(name: str, t: ShardedRef, where: str, rank: int) -> _Shard:
@@ -293,14 +303,18 @@ def _plain_shard(ref: torch_files.TensorRef, rank: int) -> _Shard:
                   "whole on every rank")
 
 
-def _read_rank(path: str, rank: int, sd: Optional[dict] = None,
-               skip: Collection[str] = ()) -> Tuple[Dict[str, _Shard], Dict[str, Dict[str, Any]], int]:
+def _read_rank(path: str, rank: int, sd: Optional[dict] = None, skip: Collection[str] = (),
+               rows: Optional[RowShards] = None) -> Tuple[Dict[str, _Shard], Dict[str, Dict[str, Any]], int, List[str]]:
+    """``(shards placed the general way, placement facts, entries skipped, names)`` of one rank file;
+    ``rows``: the ``Shard(0)`` tensors it takes (:mod:`.rows`) are not among the shards."""
     sd = torch_files.load(path, allowed=ALLOWED) if sd is None else sd
     if not isinstance(sd, dict):
         raise LayoutError(f"{path}: holds {type(sd).__name__}, not a state dict; pass the model's rank files")
     out: Dict[str, _Shard] = {}
     facts: Dict[str, Dict[str, Any]] = {}
     skipped = 0
+    meshes: Dict[int, Any] = {}
+    names: List[str] = []  # the tensors, in the file's order
     for name, value in sd.items():
         if type(name) is not str:
             raise LayoutError(f"{path}: key {short_repr(name)} is not a name; the file is corrupt")
@@ -311,16 +325,25 @@ def _read_rank(path: str, rank: int, sd: Optional[dict] = None,
                               "under a SHARDED_STATE_DICT file name; keep the name it was saved under "
                               "(pytorch_model_fsdp_rank{R}.bin)")
         if isinstance(value, DTensorRef):
-            out[name], f = _dtensor_shard(one_line(name[:200]), value, path, rank)
-            facts.setdefault(", ".join(f["placements"]), f)
+            names.append(name)
+            shown = one_line(name[:200])
+            shape, ref, mesh_info, placed = _dtensor_meta(shown, value, path, rank, meshes)
+            described = ", ".join(map(_describe, placed))
+            if described not in facts:
+                facts[described] = {"mesh": list(mesh_info[0]), "dim_names": list(mesh_info[2]),
+                                    "placements": list(map(_describe, placed))}
+            if rows is None or not rows.take(name, shape, ref, mesh_info[0], mesh_info[1], placed, rank):
+                out[name] = _dtensor_shard(shown, shape, ref, mesh_info, placed, path)
         elif isinstance(value, ShardedRef):
+            names.append(name)
             out[name] = _sharded_shard(one_line(name[:200]), value, path, rank)
             facts.setdefault("ShardedTensor", {"mesh": None, "dim_names": [], "placements": ["ShardedTensor"]})
         elif isinstance(value, torch_files.TensorRef):
+            names.append(name)
             out[name] = _plain_shard(value, rank)
         else:
             skipped += 1
-    return out, facts, skipped
+    return out, facts, skipped, names
 
 
 # ---- the plan ----------------------------------------------------------------------------------
@@ -331,9 +354,6 @@ def plan(ctx: PlanContext) -> ExportPlan:
     assert found is not None, "plan() of a path detect() did not claim"  # the registry asks detect() first
     model_dir = os.path.abspath(found)
     layout, world, files = find_rank_files(model_dir)
-    ranks = []
-    facts: Dict[str, dict] = {}
-    skipped = 0
     flat_tensors: List[TensorPlan] = []
     flat_facts: Optional[Dict[str, Any]] = None
     states: Sequence[Optional[dict]] = [None] * world
@@ -343,22 +363,13 @@ def plan(ctx: PlanContext) -> ExportPlan:
         states = loaded
         flat_tensors, flat_facts, consumed = local.plan_tensors(local.meta_model_for(ctx, files[0]), files, loaded,
                                                                 model_dir)
-    for r, path in enumerate(files):
-        shards, f, s = _read_rank(path, r, states[r], consumed)
-        ranks.append(shards)
-        facts.update(f)
-        skipped = max(skipped, s)
-    names = list(ranks[0])
-    for r, shards in enumerate(ranks[1:], 1):
-        if set(shards) != set(names):
-            odd = sorted(set(shards) ^ set(names))[0]
-            raise LayoutError(f"{files[r]}: holds {len(shards)} tensors, rank 0's file {len(names)} ({one_line(odd[:100])} "
-                              "is in one only); files of different saves are mixed: copy the checkpoint again")
+    try:  # the Shard(0) tensors without keeping their shards (.rows); any other layout at a later rank: again
+        ranks, names, by_rows, facts, skipped = _read_ranks(files, states, consumed, RowShards(files))
+    except Irregular:
+        ranks, names, by_rows, facts, skipped = _read_ranks(files, states, consumed, None)
     out = list(flat_tensors)
-    split = 0
     for name in names:
-        out.append(_tensor(name, [shards[name] for shards in ranks], files))
-        split += out[-1].chunks is not None and len(out[-1].chunks) > 1
+        out.append(by_rows[name] if name in by_rows else _tensor(name, [shards[name] for shards in ranks], files))
     dtypes = {t.src_dtype for t in out}
     mesh = max((f for f in facts.values() if f["mesh"]), key=lambda f: len(f["mesh"]), default=None)  # the widest
     if flat_facts:
@@ -371,8 +382,9 @@ def plan(ctx: PlanContext) -> ExportPlan:
     others = [d for d in ("critic",) if os.path.isdir(os.path.join(os.path.dirname(model_dir), d))]
     if others and os.path.basename(model_dir) in _MODEL_DIRS:
         notes.append(f"exported {os.path.basename(model_dir)}/; {', '.join(others)}/ beside it is not exported")
+    described = ["Shard(0)" if n in by_rows else ranks[0][n].describe for n in names]
     detail: Dict[str, Any] = {"world_size": world, "layout": layout,
-              "placements": {k: sum(1 for n in names if ranks[0][n].describe == k) for k in sorted(facts)}}
+                              "placements": {k: described.count(k) for k in sorted(facts)}}
     if flat_facts:
         detail["placements"]["flat parameter"] = len(flat_tensors)
         detail["flat_parameters"] = flat_facts
@@ -389,6 +401,30 @@ def plan(ctx: PlanContext) -> ExportPlan:
     return ExportPlan(engine=NAME, source=os.path.abspath(ctx.path), tag=None, tensors=out,
                       dtypes={"module": dtypes.pop()} if len(dtypes) == 1 else {}, config_dir=ctx.config_dir,
                       files=files, notes=notes, detail=detail)
+
+
+def _read_ranks(files: List[str], states: Sequence[Optional[dict]], consumed: Set[str], rows: Optional[RowShards]
+                ) -> Tuple[List[Dict[str, _Shard]], List[str], Dict[str, TensorPlan], Dict[str, dict], int]:
+    """Every rank file read in turn (its unpickled tree dropped before the next): ``(each rank's shards
+    placed the general way, the tensor names in rank 0's order, the tensors ``rows`` took, placement
+    facts, entries skipped)``; refused when the files hold different names."""
+    ranks: List[Dict[str, _Shard]] = []
+    facts: Dict[str, dict] = {}
+    skipped = 0
+    order: List[str] = []
+    first: Set[str] = set()  # rank 0's names
+    for r, path in enumerate(files):
+        shards, f, s, held = _read_rank(path, r, states[r], consumed, rows)
+        if r == 0:
+            order, first = held, set(held)
+        elif set(held) != first:
+            odd = sorted(set(held) ^ first)[0]
+            raise LayoutError(f"{path}: holds {len(held)} tensors, rank 0's file {len(first)} ({one_line(odd[:100])} "
+                              "is in one only); files of different saves are mixed: copy the checkpoint again")
+        ranks.append(shards)
+        facts.update(f)
+        skipped = max(skipped, s)
+    return ranks, order, rows.tensors() if rows is not None else {}, facts, skipped
 
 
 def _tensor(name: str, shards: List[_Shard], files: List[str]) -> TensorPlan:

@@ -9,7 +9,7 @@ from ...plan import Chunk, Piece, select_box
 
 # ---- placement arithmetic (plain numbers) ----------------------------------------------------
 
-def _chunk_range(size: int, n: int, i: int) -> Tuple[int, int]:
+def chunk_range(size: int, n: int, i: int) -> Tuple[int, int]:
     """``[start, end)`` of chunk ``i`` of ``torch.chunk(range(size), n)`` (empty past the end)."""
     full = -(-size // n) if n else 0
     start = min(size, full * i)
@@ -17,32 +17,36 @@ def _chunk_range(size: int, n: int, i: int) -> Tuple[int, int]:
 
 
 def local_indices(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
-                  placements: Sequence[Tuple[str, int, int]]) -> List[List[int]]:
+                  placements: Sequence[Tuple[str, int, int]]) -> List[Sequence[int]]:
     """For each tensor dim, the global indices the shard at mesh coordinate ``coord`` holds, in order,
     as torch's ``_compute_local_shape_and_global_offset`` places them: mesh dims left to right,
     ``("shard", dim, 0)`` a ``torch.chunk`` of what is left along ``dim``, ``("strided", dim,
-    split_factor)`` a chunk of each of ``split_factor`` chunks, ``("replicate", -1, 0)`` nothing."""
-    idx = [list(range(s)) for s in shape]
+    split_factor)`` a chunk of each of ``split_factor`` chunks, ``("replicate", -1, 0)`` nothing.
+    A dim only ever ``Shard``-ed stays a ``range`` (slicing one is O(1)): listing every index of every
+    dim cost O(rows) per tensor per rank, quadratic in the world size when the rows grow with it."""
+    idx: List[Sequence[int]] = [range(s) for s in shape]
     for mesh_dim, (kind, dim, factor) in enumerate(placements):
         if kind == "replicate":
             continue
         cur, n, r = idx[dim], mesh_shape[mesh_dim], coord[mesh_dim]
         if kind == "shard":
-            a, b = _chunk_range(len(cur), n, r)
+            a, b = chunk_range(len(cur), n, r)
             idx[dim] = cur[a:b]
         else:
-            keep = []
+            keep: List[int] = []
             for j in range(factor):
-                a, b = _chunk_range(len(cur), factor, j)
+                a, b = chunk_range(len(cur), factor, j)
                 piece = cur[a:b]
-                c, d = _chunk_range(len(piece), n, r)
+                c, d = chunk_range(len(piece), n, r)
                 keep.extend(piece[c:d])
             idx[dim] = keep
     return idx
 
 
-def index_runs(indices: List[int]) -> List[Tuple[int, int, int]]:
+def index_runs(indices: Sequence[int]) -> List[Tuple[int, int, int]]:
     """Maximal runs of consecutive global indices: ``(local start, global start, length)``."""
+    if type(indices) is range and indices.step == 1:
+        return [(0, indices.start, len(indices))] if len(indices) else []
     out: List[Tuple[int, int, int]] = []
     for k, g in enumerate(indices):
         if out and out[-1][1] + out[-1][2] == g:

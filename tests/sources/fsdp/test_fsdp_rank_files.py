@@ -179,7 +179,7 @@ def test_getattr_of_anything_else_refused(tmp_path):
 # ---------------------------------------------------------------- synthetic rank files (no engine run)
 
 
-@pytest.mark.parametrize("layout", ["1d-uneven", "hsdp", "fsdp-tp"])
+@pytest.mark.parametrize("layout", ["1d-rows", "1d-uneven", "hsdp", "fsdp-tp"])
 def test_synthetic_layouts_export_bitwise(tmp_path, layout):
     from hf_ckpt_integrations import export_checkpoint
 
@@ -215,50 +215,33 @@ def test_synthetic_missing_rank_and_world_size_refused(tmp_path):
     export_refused(src, tmp_path / "out", match=("model_world_size_4_rank_2.pt", "missing"))
 
 
-def test_synthetic_shard_of_the_wrong_shape_refused(tmp_path):
-    """A local shard that is not what its placements cut (a file of another save) is refused."""
+@pytest.mark.parametrize("rank", [0, 2])
+def test_synthetic_shard_of_the_wrong_shape_refused(tmp_path, rank):
+    """A local shard that is not what its placements cut (a file of another save) is refused; at rank 2,
+    after rank 0 took the tensor as rows (.rows), by the general way's second reading."""
     mesh, tensors = synthetic_layouts()["1d-uneven"]
     src = write_rank_files(tmp_path / "actor", tensors, mesh,
-                           local_of=lambda name, rank, t: t[:1] if (name, rank) == ("a", 0) else t)
-    export_refused(src, tmp_path / "out", match=("model_world_size_4_rank_0.pt", "placements Shard(0)"))
+                           local_of=lambda name, r, t: t[:1] if (name, r) == ("a", rank) else t)
+    export_refused(src, tmp_path / "out", match=(f"model_world_size_4_rank_{rank}.pt", "placements Shard(0)"))
 
 
-@pytest.mark.parametrize("allowed", [None, "dcp", "deepspeed"])
-def test_dtensor_stand_ins_belong_to_this_source_only(tmp_path, allowed):
-    """Every other reader's list refuses a rank file's DTensor: the stand-ins are this source's."""
-    from hf_ckpt_integrations.errors import UnsafeCheckpointError
-    from hf_ckpt_integrations.formats import torch_files
-    from hf_ckpt_integrations.sources import dcp
-    from hf_ckpt_integrations.sources.deepspeed import allowlist
+def test_shard0_tensors_are_planned_as_rows_of_every_rank_file(tmp_path, monkeypatch):
+    """FSDP2's Shard(0) tensors become one StridedPieces each (no per-rank shards kept), rank 3's offsets
+    shifted by its shorter shards before them; the pieces are the general placement's, one by one."""
+    from hf_ckpt_integrations.boxes import StridedPieces
+    from hf_ckpt_integrations.sources import fsdp_rank_files
+    from hf_ckpt_integrations.sources.fsdp_rank_files import rows
+    from hf_ckpt_integrations.sources.protocol import PlanContext
 
-    mesh, tensors = synthetic_layouts()["1d-uneven"]
+    mesh, tensors = synthetic_layouts()["1d-rows"]
     src = write_rank_files(tmp_path / "actor", tensors, mesh)
-    lists = {None: None, "dcp": dcp.ALLOWED, "deepspeed": allowlist.ALLOWED}
-    with pytest.raises(UnsafeCheckpointError, match="refused for safety: its pickle asks for `torch"):
-        torch_files.load(src / "model_world_size_4_rank_0.pt", allowed=lists[allowed])
-
-
-def test_lora_actor_exports_the_adapter_peft_writes(tmp_path):
-    """A LoRA actor's rank files (a PeftModel's state dict, FSDP-sharded; verl's LoRA runs save these):
-    the PEFT pass keeps the adapter, bitwise what PeftModel.save_pretrained writes."""
-    import sys
-
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-    from torch.distributed.tensor import Shard
-
-    import common
-
-    torch.manual_seed(0)
-    model = get_peft_model(LlamaForCausalLM(common.tiny_llama_config(num_hidden_layers=1)),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p)  # lora_B starts at zero: an untrained adapter would prove nothing
-    src = write_rank_files(tmp_path / "actor", {k: (v, [Shard(0)]) for k, v in model.state_dict().items()}, (2,))
-    model.save_pretrained(tmp_path / "ref")
-    r = export(src, tmp_path / "out", "--config", tmp_path / "ref")
-    want = load_safetensors(tmp_path / "ref" / "adapter_model.safetensors")
-    got = load_safetensors(tmp_path / "out" / "adapter_model.safetensors")
-    assert set(got) == set(want) and want
-    assert_bitwise_equal(got, want)
+    got = {t.name: t for t in fsdp_rank_files.plan(PlanContext(path=str(src))).tensors}
+    assert list(got) == list(tensors)
+    assert {n for n, t in got.items() if isinstance(t.parts[0], StridedPieces)} == {"a", "c", "d", "e"}
+    bases = got["d"].parts[0].bases
+    assert bases[0] == bases[1] == bases[2] != bases[3], bases  # rank 3's file: a and c shorter before d
+    monkeypatch.setattr(rows.RowShards, "take", lambda self, *args: False)  # every tensor the general way
+    general = {t.name: t for t in fsdp_rank_files.plan(PlanContext(path=str(src))).tensors}
+    assert not any(isinstance(t.parts[0], StridedPieces) for t in general.values())
+    for name in ("a", "c", "d", "e"):
+        assert list(got[name].flat_pieces()) == list(general[name].flat_pieces()), name
