@@ -76,7 +76,6 @@ class _Unpickler(_pickle._Unpickler):
         self._parked = 0  # objects on the stacks that MARKs set aside (self.metastack)
         # The whole pickle, when it is in memory (:func:`loads`): the common opcodes run inline.
         self._memfile: Optional[io.BytesIO] = file if type(file) is io.BytesIO else None
-        self._data: Optional[bytes] = None if self._memfile is None else self._memfile.getvalue()
 
     def load(self) -> Any:
         # pickle._Unpickler.load with an opcode budget (CPython 3.8+ internals: _Unframer, _Stop),
@@ -92,8 +91,8 @@ class _Unpickler(_pickle._Unpickler):
         self.proto = 0
         read, dispatch, left = self.read, self._dispatch, MAX_OPS
         try:
-            if self._data is not None and self._memfile is not None:
-                left = self._load_inline(self._memfile, self._data, left)
+            if self._memfile is not None:
+                left = self._load_inline(self._memfile, self._memfile.getvalue(), left)
             while left > 0:
                 n = min(left, _CHECK_EVERY)
                 for _ in range(n):

@@ -27,7 +27,7 @@ class _Standard(unpickler._Unpickler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._data = None
+        self._memfile = None
 
 
 def _run(cls, data, allowed, persistent_load):

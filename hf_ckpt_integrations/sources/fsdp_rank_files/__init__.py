@@ -257,12 +257,13 @@ def _dtensor_meta(name: str, t: DTensorRef, where: str, rank: int, meshes: Dict[
 
 
 def _dtensor_shard(name: str, shape: Tuple[int, ...], local: torch_files.TensorRef, mesh_info: Tuple[Any, ...],
-                   placed: List[Tuple[str, int, int]], where: str) -> _Shard:
+                   placed: List[Tuple[str, int, int]], described: str, where: str) -> _Shard:
+    """``described``: the placements as :func:`_describe` spells them, joined."""
     mesh_shape, coord, _ = mesh_info
     idx = local_indices(shape, mesh_shape, coord, placed)
     if tuple(len(i) for i in idx) != local.shape:
         raise LayoutError(f"{where}: the shard of {name} is {list(local.shape)}, but placements "
-                          f"{', '.join(map(_describe, placed))} on mesh {list(mesh_shape)} at {list(coord)} give "
+                          f"{described} on mesh {list(mesh_shape)} at {list(coord)} give "
                           f"{[len(i) for i in idx]}; the file is corrupt or from another save")
     chunks = []
     for combo in itertools.product(*(index_runs(i) for i in idx)):
@@ -270,7 +271,7 @@ def _dtensor_shard(name: str, shape: Tuple[int, ...], local: torch_files.TensorR
         hi = tuple(c[0] + c[2] for c in combo)
         chunks.append(Chunk(tuple(box_pieces(local, lo, hi)), tuple(c[1] for c in combo),
                             tuple(c[2] for c in combo)))
-    return _Shard(shape, local.dtype, chunks, ", ".join(map(_describe, placed)))
+    return _Shard(shape, local.dtype, chunks, described)
 
 
 def _sharded_shard(name: str, t: ShardedRef, where: str, rank: int) -> _Shard:
@@ -328,12 +329,12 @@ def _read_rank(path: str, rank: int, sd: Optional[dict] = None, skip: Collection
             names.append(name)
             shown = one_line(name[:200])
             shape, ref, mesh_info, placed = _dtensor_meta(shown, value, path, rank, meshes)
-            described = ", ".join(map(_describe, placed))
+            spelled = [_describe(p) for p in placed]
+            described = ", ".join(spelled)
             if described not in facts:
-                facts[described] = {"mesh": list(mesh_info[0]), "dim_names": list(mesh_info[2]),
-                                    "placements": list(map(_describe, placed))}
+                facts[described] = {"mesh": list(mesh_info[0]), "dim_names": list(mesh_info[2]), "placements": spelled}
             if rows is None or not rows.take(name, shape, ref, mesh_info[0], mesh_info[1], placed, rank):
-                out[name] = _dtensor_shard(shown, shape, ref, mesh_info, placed, path)
+                out[name] = _dtensor_shard(shown, shape, ref, mesh_info, placed, described, path)
         elif isinstance(value, ShardedRef):
             names.append(name)
             out[name] = _sharded_shard(one_line(name[:200]), value, path, rank)

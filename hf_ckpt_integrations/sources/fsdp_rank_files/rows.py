@@ -16,6 +16,7 @@ shard, a file in another key order) raises :class:`Irregular`: the source plans 
 way, which places (or refuses, naming the file) what it finds.
 """
 
+import math
 from typing import Dict, List, Sequence, Tuple
 
 from ...boxes import SIZES, StridedPieces
@@ -95,9 +96,7 @@ class RowShards:
                 base0 = -1
             if rest != base0:
                 bases, base0 = tuple(rest + s for s in shifts), rest
-            numel = 1
-            for d in shape:
-                numel *= d
+            numel = math.prod(shape)
             rows = -(-shape[0] // self.world)
             pieces = StridedPieces(self.paths, bases, local, rows * (numel // shape[0]), 0, numel, dtype)
             out[name] = TensorPlan(name, shape, dtype, [pieces], kind="module")  # type: ignore[list-item]
