@@ -13,7 +13,7 @@ For each, fresh child processes (median of ``--rounds``):
 Writes a Markdown table and ``docs/scale.png`` and replaces the ``scale-bench`` block of
 ``docs/benchmarks.md``. Not a test: nothing asserts a time. Usage:
 ``.venv/bin/python benchmarks/scale_bench.py [--ranks 8,64,256,1024] [--stages 2,3] [--rounds 3]
-[--no-doc] [--doc-only]``.
+[--no-doc] [--doc-only]``; ``--moe`` and ``--rank-files`` (below) print their tables.
 """
 
 import argparse
@@ -185,6 +185,64 @@ def moe_main(args) -> int:
     return 0
 
 
+RF_RANKS = "8,64"
+RF_CHILD = ("import json, resource, sys, time\n"
+            "t, c = time.perf_counter(), time.process_time()\n"
+            "from hf_ckpt_integrations.sources import build_plan\n"
+            "plan = build_plan(sys.argv[1])\n"
+            "me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+            "print(json.dumps({'s': time.perf_counter() - t, 'cpu': time.process_time() - c + kids.ru_utime\n"
+            "                  + kids.ru_stime, 'rss': me.ru_maxrss * 1024, 'worker_rss': kids.ru_maxrss * 1024,\n"
+            "                  'tensors': len(plan.tensors)}))\n")
+
+
+def rf_generate(world: int) -> Path:
+    out = CACHE / f"rank-files-w{world}"
+    if (out / "DONE").exists():
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"generating the MoE per-rank files x {world} ranks (once)", file=sys.stderr, flush=True)
+    text = subprocess.run([PY, str(REPO / "benchmarks" / "synth_rank_files.py"), str(out), "--world", str(world)],
+                          env=ENV, check=True, capture_output=True, text=True).stdout
+    (out / "DONE").write_text(text.strip().splitlines()[-1])
+    return out
+
+
+def rf_main(args) -> int:
+    """verl per-rank FSDP2 files of the DeepSeek-V3-like MoE: the plan read in this process
+    (``HFCKPT_READ_PROCESSES=0``) against the default (worker processes), alternating fresh processes."""
+    ranks = RF_RANKS if args.ranks == "8,64,256,1024" else args.ranks
+    results, saved = {}, CACHE / "rank-files-results.json"
+    variants = {"one process": "0", "workers (default)": ""}
+    for world in map(int, ranks.split(",")):
+        src = rf_generate(world)
+        runs = {k: [] for k in variants}
+        for r in range(args.rounds):
+            for name, value in (variants.items() if r % 2 == 0 else reversed(variants.items())):
+                env = {**ENV, "HFCKPT_READ_PROCESSES": value}
+                proc = subprocess.run([PY, "-c", RF_CHILD, str(src)], env=env, capture_output=True, text=True,
+                                      check=True, cwd=REPO)
+                runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                print(world, name, runs[name][-1], file=sys.stderr, flush=True)
+        med = statistics.median
+        results[str(world)] = {name: {"s": med(x["s"] for x in v), "cpu": med(x["cpu"] for x in v),
+                                      "rss": max(x["rss"] for x in v), "worker_rss": max(x["worker_rss"] for x in v),
+                                      "all_s": [round(x["s"], 1) for x in v]} for name, v in runs.items()}
+        meta = {"date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"), "rounds": args.rounds,
+                "cpus": len(os.sched_getaffinity(0))}
+        CACHE.mkdir(exist_ok=True)
+        saved.write_text(json.dumps({"results": results, "meta": meta}, indent=1))
+    lines = ["| ranks | how | wall s (median) | CPU s (all processes) | peak RSS: main / each worker | runs (s) |",
+             "|---|---|---|---|---|---|"]
+    for world, by in results.items():
+        for name, v in by.items():
+            workers = f"{v['worker_rss'] / 1e6:,.0f} MB" if v["worker_rss"] else "–"
+            lines.append(f"| {int(world):,} | {name} | {v['s']:.1f} | {v['cpu']:.1f} | {v['rss'] / 1e6:,.0f} MB / "
+                         f"{workers} | {', '.join(map(str, v['all_s']))} |")
+    print("\n".join(lines))
+    return 0
+
+
 def cache_dir() -> Path:
     h = hashlib.sha256((REPO / "benchmarks" / "synth_ckpt.py").read_bytes()).hexdigest()[:12]
     return CACHE / f"scale-{h}"
@@ -319,7 +377,11 @@ def main(argv=None):
     ap.add_argument("--notes", default="", help="a line appended under the table")
     ap.add_argument("--moe", action="store_true", help="the DeepSeek-V3-like MoE ZeRO-3 plan simulation instead "
                     f"(--ranks default {MOE_RANKS}; prints a table and the 1,024-rank extrapolation)")
+    ap.add_argument("--rank-files", action="store_true", help="verl per-rank FSDP2 files of the same MoE: the plan "
+                    f"in one process against worker processes (--ranks default {RF_RANKS})")
     args = ap.parse_args(argv)
+    if args.rank_files:
+        return rf_main(args)
     if args.moe:
         if args.ranks == "8,64,256,1024":
             args.ranks = MOE_RANKS

@@ -38,20 +38,21 @@ import json
 import math
 import os
 import re
+import time
 from typing import Any, Collection, Dict, List, Optional, Sequence, Set, Tuple
 
 from ... import guards
 from ...errors import CheckpointError, LayoutError, one_line, short_repr
 from ...formats import torch_files
-from ...plan import Chunk, ExportPlan, TensorPlan, check_tiling
-from . import local
+from ...plan import Chunk, ExportPlan, Piece, TensorPlan, check_tiling
+from . import local, workers
 from .placement import box_pieces, index_runs, local_indices
 from .rows import Irregular, RowShards
 from .stand_ins import ALLOWED, TYPES, DTensorRef, ShardedRef  # ALLOWED: this source's allowlist
 from ..protocol import PlanContext
 
 __all__ = ["NAME", "LOOKS_FOR", "MEMORY_NAMES", "TIED_UNDER_BOTH_NAMES", "OPTIONS", "ALLOWED", "detect", "needs_config",
-           "config_candidates", "plan", "find_rank_files", "local_indices", "DTensorRef"]
+           "config_candidates", "plan", "find_rank_files", "local_indices", "DTensorRef", "read_for_worker"]
 
 NAME = "fsdp-rank-files"
 LOOKS_FOR = ("per-rank torch.save FSDP state dicts (verl/SkyRL model_world_size_W_rank_R.pt in global_step_N/, "
@@ -404,24 +405,62 @@ def plan(ctx: PlanContext) -> ExportPlan:
                       files=files, notes=notes, detail=detail)
 
 
+def _read_other(path: str, rank: int, sd: Optional[dict], consumed: Collection[str], rows: Optional[RowShards],
+                first: Set[str]) -> Tuple[Dict[str, _Shard], Dict[str, dict], int]:
+    """A later rank's file read as :func:`_read_rank` reads it; refused unless it holds rank 0's names."""
+    shards, facts, skipped, held = _read_rank(path, rank, sd, consumed, rows)
+    if set(held) != first:
+        odd = sorted(set(held) ^ first)[0]
+        raise LayoutError(f"{path}: holds {len(held)} tensors, rank 0's file {len(first)} ({one_line(odd[:100])} "
+                          "is in one only); files of different saves are mixed: copy the checkpoint again")
+    return shards, facts, skipped
+
+
+def read_for_worker(job: Any, rank: int) -> Tuple[Any, ...]:
+    """A worker process's read of rank ``rank``'s file (:mod:`.workers`), as plain data: ``job`` is
+    ``(files, rank 0's row records or None, names skipped, rank 0's names)``."""
+    files, first, consumed, order = job
+    rows = None
+    if first is not None:
+        rows = RowShards(files)
+        rows.first = first
+    shards, facts, skipped = _read_other(files[rank], rank, None, set(consumed), rows, set(order))
+    plain = {name: (s.shape, s.dtype, s.describe,
+                    [(tuple((p.path, p.offset, p.numel, p.dtype) for p in c.pieces), c.offsets, c.sizes)
+                     for c in s.chunks]) for name, s in shards.items()}
+    return plain, facts, skipped, rows.shifts[rank] if rows is not None else []
+
+
+def _from_worker(answer: Tuple[Any, ...], rank: int, rows: Optional[RowShards]
+                 ) -> Tuple[Dict[str, _Shard], Dict[str, dict], int]:
+    plain, facts, skipped, shifts = answer
+    if rows is not None:
+        rows.shifts[rank] = shifts
+    shards = {name: _Shard(shape, dtype, [Chunk(tuple(Piece(*p) for p in pieces), offsets, sizes)
+                                         for pieces, offsets, sizes in chunks], describe)
+              for name, (shape, dtype, describe, chunks) in plain.items()}
+    return shards, facts, skipped
+
+
 def _read_ranks(files: List[str], states: Sequence[Optional[dict]], consumed: Set[str], rows: Optional[RowShards]
                 ) -> Tuple[List[Dict[str, _Shard]], List[str], Dict[str, TensorPlan], Dict[str, dict], int]:
-    """Every rank file read in turn (its unpickled tree dropped before the next): ``(each rank's shards
-    placed the general way, the tensor names in rank 0's order, the tensors ``rows`` took, placement
-    facts, entries skipped)``; refused when the files hold different names."""
-    ranks: List[Dict[str, _Shard]] = []
-    facts: Dict[str, dict] = {}
-    skipped = 0
-    order: List[str] = []
-    first: Set[str] = set()  # rank 0's names
-    for r, path in enumerate(files):
-        shards, f, s, held = _read_rank(path, r, states[r], consumed, rows)
-        if r == 0:
-            order, first = held, set(held)
-        elif set(held) != first:
-            odd = sorted(set(held) ^ first)[0]
-            raise LayoutError(f"{path}: holds {len(held)} tensors, rank 0's file {len(first)} ({one_line(odd[:100])} "
-                              "is in one only); files of different saves are mixed: copy the checkpoint again")
+    """Every rank file read (each unpickled tree dropped before the next; rank 0's here, the others in
+    worker processes where that pays, :mod:`.workers`): ``(each rank's shards placed the general way,
+    the tensor names in rank 0's order, the tensors ``rows`` took, placement facts, entries skipped)``;
+    refused when the files hold different names. A rank no worker delivered is read here, in rank
+    order, so a refusal is the one this process raises, for the lowest refused rank."""
+    started = time.perf_counter()
+    shards, facts, skipped, order = _read_rank(files[0], 0, states[0], consumed, rows)
+    first = set(order)
+    ranks = [shards]
+    n = workers.processes(len(files) - 1, time.perf_counter() - started) \
+        if all(s is None for s in states) else 0  # (preloaded states: FSDP1 LOCAL_STATE_DICT, read already)
+    answers = workers.read_in_workers((files, rows.first if rows is not None else None, sorted(consumed), order),
+                                      range(1, len(files)), n) if n else {}
+    for r in range(1, len(files)):
+        answer = answers.pop(r, None)
+        shards, f, s = _from_worker(answer, r, rows) if answer is not None else \
+            _read_other(files[r], r, states[r], consumed, rows, first)
         ranks.append(shards)
         facts.update(f)
         skipped = max(skipped, s)

@@ -245,3 +245,74 @@ def test_shard0_tensors_are_planned_as_rows_of_every_rank_file(tmp_path, monkeyp
     assert not any(isinstance(t.parts[0], StridedPieces) for t in general.values())
     for name in ("a", "c", "d", "e"):
         assert list(got[name].flat_pieces()) == list(general[name].flat_pieces()), name
+
+
+# ---------------------------------------------------------------- rank files read in worker processes (.workers)
+
+
+def _plan_with(src, processes, monkeypatch):
+    from hf_ckpt_integrations.sources import fsdp_rank_files
+    from hf_ckpt_integrations.sources.protocol import PlanContext
+
+    monkeypatch.setenv("HFCKPT_READ_PROCESSES", str(processes))
+    return fsdp_rank_files.plan(PlanContext(path=str(src)))
+
+
+@pytest.mark.parametrize("layout", ["1d-rows", "hsdp", "fsdp-tp"])
+def test_worker_processes_plan_what_one_process_plans(tmp_path, monkeypatch, layout):
+    """Ranks 1-3 read by 2 real worker processes: the same tensors, pieces (rank 3's shifted rows
+    included), tied copies, notes and detail as reading every file here."""
+    mesh, tensors = synthetic_layouts()[layout]
+    src = write_rank_files(tmp_path / "actor", tensors, mesh)
+    here, there = _plan_with(src, 0, monkeypatch), _plan_with(src, 2, monkeypatch)
+    assert [t.name for t in here.tensors] == list(tensors)
+    assert there.tensors == here.tensors
+    assert (there.notes, there.detail) == (here.notes, here.detail)
+
+
+@pytest.mark.parametrize("case", ["wrong-shape", "extra-name"])
+def test_a_file_a_worker_refuses_is_refused_here_naming_it(tmp_path, monkeypatch, case):
+    """A worker only says it could not read a rank: this process reads that file again and raises its
+    own error for it (the lowest such rank), never a worker's word."""
+    mesh, tensors = synthetic_layouts()["1d-uneven"]
+    src = write_rank_files(tmp_path / "actor", tensors, mesh,
+                           local_of=lambda name, r, t: t[:1] if (case, name, r) == ("wrong-shape", "a", 2) else t)
+    if case == "extra-name":  # rank 3's file holds a tensor the others do not
+        bad = torch.load(src / "model_world_size_4_rank_3.pt", weights_only=False)
+        bad["stray"] = torch.zeros(1)
+        torch.save(bad, src / "model_world_size_4_rank_3.pt")
+    monkeypatch.setenv("HFCKPT_READ_PROCESSES", "2")
+    match = ("model_world_size_4_rank_2.pt", "placements Shard(0)") if case == "wrong-shape" else \
+        ("model_world_size_4_rank_3.pt", "stray is in one only")
+    export_refused(src, tmp_path / "out", match=match)
+
+
+def test_lost_workers_ranks_are_read_here(tmp_path, monkeypatch):
+    """Workers that cannot start (here: no such entry module) deliver nothing; every rank is read here."""
+    from hf_ckpt_integrations.sources.fsdp_rank_files import workers
+
+    mesh, tensors = synthetic_layouts()["1d-rows"]
+    src = write_rank_files(tmp_path / "actor", tensors, mesh)
+    monkeypatch.setattr(workers, "_MAIN", "hf_ckpt_integrations.no_such_module")
+    lost = _plan_with(src, 2, monkeypatch)
+    assert lost.tensors == _plan_with(src, 0, monkeypatch).tensors
+
+
+def test_workers_exchange_plain_data_only(monkeypatch):
+    import pickle
+
+    from hf_ckpt_integrations.boxes import Piece
+    from hf_ckpt_integrations.errors import OptionError
+    from hf_ckpt_integrations.sources.fsdp_rank_files import workers
+
+    plain = ({"a": ((2, 3), "float32", 0, 0)}, [(1, 64)], "x", 1.5, None, True)
+    assert workers.plain_loads(pickle.dumps(plain)) == plain
+    with pytest.raises(pickle.UnpicklingError, match="plain data only"):
+        workers.plain_loads(pickle.dumps(Piece("p", 0, 1, "float32")))
+    monkeypatch.setenv("HFCKPT_READ_PROCESSES", "3")
+    assert workers.processes(2, 0.0) == 2  # never more workers than files
+    monkeypatch.setenv("HFCKPT_READ_PROCESSES", "many")
+    with pytest.raises(OptionError, match="HFCKPT_READ_PROCESSES='many'"):
+        workers.processes(2, 0.0)
+    monkeypatch.delenv("HFCKPT_READ_PROCESSES")
+    assert workers.processes(1000, 0.001) == 0  # a small save: starting workers would cost more
