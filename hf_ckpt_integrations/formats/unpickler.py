@@ -397,6 +397,9 @@ def _small(node: Any) -> bool:
     return True
 
 
+_ATOM_TYPES = frozenset(ATOMS)
+
+
 def _check_tree(obj: Any, path: str) -> None:
     """Walk the loaded tree once, level by level, within the budgets. A shared node is counted each time
     it is reached (so a DAG or a cycle that a later walk would expand runs out of budget here), except a
@@ -414,15 +417,21 @@ def _check_tree(obj: Any, path: str) -> None:
         count += len(level)
         below: list[Any] = []
         for node in level:
-            if isinstance(node, StandIn) and not isinstance(node, Leaf):
-                key = id(node)
-                if key in small:
-                    continue
-                if key in once and _small(node):
-                    small.add(key)
-                    continue
-                once.add(key)
-            below.extend(_children(node))
+            t = type(node)
+            if t in _ATOM_TYPES:  # (counted above; the common case, taken before any call)
+                continue
+            if t is tuple or t is list:
+                below.extend(node)
+            else:
+                if isinstance(node, StandIn) and not isinstance(node, Leaf):
+                    key = id(node)
+                    if key in small:
+                        continue
+                    if key in once and _small(node):
+                        small.add(key)
+                        continue
+                    once.add(key)
+                below.extend(_children(node))
             if count + len(below) > MAX_NODES:
                 raise CheckpointError(f"{path}: its pickle describes over {MAX_NODES} objects (counting shared "
                                       "ones each time they are used); no checkpoint's metadata is that large: "

@@ -105,20 +105,25 @@ def exports(case, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("lay", LAYOUTS)
-def test_export_gives_megatrons_logits(case, exports, lay, fmt):
+def _gives_megatrons_logits(case, out, lay):
+    """The export at ``out`` loads with ``from_pretrained`` (no key missing, unexpected or of another
+    shape) and gives Megatron's own fp32 logits on the reference input; its model and config.json."""
     from transformers import AutoModelForCausalLM
 
     ref = torch.load(case / lay / "reference" / "logits.pt")
-    model, info = AutoModelForCausalLM.from_pretrained(exports(lay, fmt), dtype=torch.float32,
-                                                       output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     with torch.no_grad():
         logits = model(ref["input_ids"]).logits
     assert logits.shape == ref["logits"].shape
     torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=2e-6)
-    cfg = json.loads((exports(lay, fmt) / "config.json").read_text())  # derived from the saved args
+    return model, json.loads((out / "config.json").read_text())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("lay", LAYOUTS)
+def test_export_gives_megatrons_logits(case, exports, lay, fmt):
+    _, cfg = _gives_megatrons_logits(case, exports(lay, fmt), lay)  # config derived from the saved args
     assert cfg["vocab_size"] == 1001 and cfg["num_hidden_layers"] == 4 and cfg["num_key_value_heads"] == 2
     assert cfg["tie_word_embeddings"] is lay.endswith("-tied")
     assert cfg["model_type"] == ("qwen2" if lay.endswith("-qwen2") else "llama")
@@ -264,16 +269,7 @@ def test_moe_variants_hf_mixtral_cannot_hold_are_refused_naming_the_argument(ext
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("lay", MOE_LAYOUTS)
 def test_moe_export_gives_megatrons_logits(case, exports, lay, fmt):
-    from transformers import AutoModelForCausalLM
-
-    ref = torch.load(case / lay / "reference" / "logits.pt")
-    model, info = AutoModelForCausalLM.from_pretrained(exports(lay, fmt), dtype=torch.float32,
-                                                       output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    with torch.no_grad():
-        logits = model(ref["input_ids"]).logits
-    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=2e-6)
-    cfg = json.loads((exports(lay, fmt) / "config.json").read_text())  # derived from the saved args
+    _, cfg = _gives_megatrons_logits(case, exports(lay, fmt), lay)  # config derived from the saved args
     if lay == MOE:
         assert (cfg["model_type"], cfg["architectures"], cfg["num_local_experts"], cfg["num_experts_per_tok"],
                 cfg["intermediate_size"], cfg["vocab_size"]) == ("mixtral", ["MixtralForCausalLM"], 4, 2, 128, 1001)
@@ -345,17 +341,8 @@ GPT_LAYOUTS = ("tp2-gpt", "gpt-mqa")  # MHA at TP 2; MQA (one query group) at TP
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("lay", GPT_LAYOUTS)
 def test_gpt_export_is_gptbigcode_with_megatrons_logits(case, exports, lay, fmt):
-    from transformers import AutoModelForCausalLM
-
-    ref = torch.load(case / lay / "reference" / "logits.pt")
-    model, info = AutoModelForCausalLM.from_pretrained(exports(lay, fmt), dtype=torch.float32,
-                                                       output_loading_info=True)
+    model, cfg = _gives_megatrons_logits(case, exports(lay, fmt), lay)  # config derived from the saved args
     assert type(model).__name__ == "GPTBigCodeForCausalLM"
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    with torch.no_grad():
-        logits = model(ref["input_ids"]).logits
-    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=2e-6)
-    cfg = json.loads((exports(lay, fmt) / "config.json").read_text())  # derived from the saved args
     mqa = lay == "gpt-mqa"
     assert (cfg["model_type"], cfg["n_layer"], cfg["n_embd"], cfg["n_inner"], cfg["n_head"], cfg["n_positions"],
             cfg["vocab_size"], cfg["multi_query"], cfg["activation_function"], cfg["tie_word_embeddings"]) == \
@@ -493,13 +480,7 @@ def test_optimizer_state_pickling_code_is_refused_by_name(case, tmp_path):
 def test_virtual_pipeline_save_gives_megatrons_logits(case, exports, fmt):
     # PP 2 x VPP 2, 4 layers: stage 0 holds layers 0 and 2 (model0, model1), stage 1 layers 1 and 3; the layers are
     # untrained and random, so the logits prove the order (placing each stage's chunks together would not give them)
-    from transformers import AutoModelForCausalLM
-
-    ref = torch.load(case / "pp2-vpp2" / "reference" / "logits.pt")
-    model = AutoModelForCausalLM.from_pretrained(exports("pp2-vpp2", fmt), dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(ref["input_ids"]).logits
-    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=2e-6)
+    _gives_megatrons_logits(case, exports("pp2-vpp2", fmt), "pp2-vpp2")
     r = hf_ckpt("inspect", case / "pp2-vpp2" / fmt, "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     info = json.loads(r.stdout)
