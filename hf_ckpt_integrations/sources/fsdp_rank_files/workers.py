@@ -2,9 +2,10 @@
 reading one is pure Python (the restricted unpickler, ~3 s CPU for a 45,395-DTensor file), so a
 1,024-rank save read in one process is an hour of one core. Rank 0's file is read first in the
 calling process (later ranks are checked against its names and :mod:`.rows` records); the others
-are read by up to ``min(CPUs, 8)`` workers, rank ``1 + k + i*n`` by worker ``k``.
+are read by up to ``min(CPUs, 8)`` workers (the CPUs shared among torchrun's ``LOCAL_WORLD_SIZE`` ranks,
+which each plan the same save in a rank-parallel export), rank ``1 + k + i*n`` by worker ``k``.
 
-Why ``python -m`` subprocesses and not :mod:`multiprocessing`: ``spawn``/``forkserver`` import the
+Why ``python -c`` subprocesses and not :mod:`multiprocessing`: ``spawn``/``forkserver`` import the
 caller's ``__main__`` again in every worker (a training script without a ``__main__`` guard would
 train again), and ``fork`` copies a process whose other threads (NCCL, data loaders) may hold locks.
 
@@ -38,7 +39,14 @@ ENV = "HFCKPT_READ_PROCESSES"
 MIN_SECONDS = 4.0  # worker start-up (~0.3 s each, an interpreter and this package) is paid back well before
 MAX_WORKERS = 8  # each holds one file's tree; more rarely helps: the disk becomes the limit
 _log = logging.getLogger(__name__)
-_MAIN = __name__.rpartition(".")[0] + ".worker_main"  # a worker's entry point (this module is imported by it)
+_PKG = __name__.rpartition(".")[0]
+# A worker answers on a pipe of its own (its fd in argv), never on stdout: what the interpreter's start
+# (a sitecustomize, a .pth file) or an import prints goes to stdout, which is the caller's stderr.
+_BOOT = ("import os, sys\n"
+         "answers = os.fdopen(int(sys.argv[1]), 'wb')\n"
+         f"from {_PKG} import read_for_worker\n"
+         f"from {_PKG}.workers import serve\n"
+         "serve(read_for_worker, sys.stdin.buffer, answers)\n")
 
 
 def processes(others: int, rank0_seconds: float) -> int:
@@ -52,6 +60,9 @@ def processes(others: int, rank0_seconds: float) -> int:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
+    # torchrun's ranks of a rank-parallel export each plan the same save: they share the node's CPUs
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    cpus //= int(local) if local.isdigit() and int(local) > 0 else 1
     if cpus < 2 or others < 2 or rank0_seconds * others < MIN_SECONDS:
         return 0
     return min(cpus, MAX_WORKERS, others)
@@ -96,13 +107,14 @@ def read_in_workers(job: Any, ranks: Sequence[int], n: int) -> Dict[int, Any]:
     failed = threading.Event()
     children: List[subprocess.Popen] = []
 
-    def collect(child: subprocess.Popen) -> None:
+    def collect(answers: Any) -> None:
         try:
-            for rank, ok, payload in _frames(child.stdout):
-                if not ok:
-                    failed.set()  # the caller reads it again and raises; the other workers can stop
-                    return
-                got[rank] = payload
+            with answers:
+                for rank, ok, payload in _frames(answers):
+                    if not ok:
+                        failed.set()  # the caller reads it again and raises; the other workers can stop
+                        return
+                    got[rank] = payload
         except Exception as e:  # a garbled answer: that worker's ranks are read again in this process
             _log.warning("a rank-file worker's answer was unreadable (%s); reading its files in this process", e)
 
@@ -112,22 +124,26 @@ def read_in_workers(job: Any, ranks: Sequence[int], n: int) -> Dict[int, Any]:
             mine = list(ranks[k::n])
             if not mine:
                 continue
+            r, w = os.pipe()
             try:
-                child = subprocess.Popen([sys.executable, "-m", _MAIN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         env=env)
+                child = subprocess.Popen([sys.executable, "-c", _BOOT, str(w)], stdin=subprocess.PIPE, stdout=2,
+                                         pass_fds=(w,), env=env)
             except (OSError, ValueError) as e:  # no interpreter to start (embedded Python): read here
                 _log.warning("cannot start a rank-file worker (%s); reading the files in this process", e)
+                os.close(r)
                 break
+            finally:
+                os.close(w)  # (the worker holds its own copy: its end closes when it exits)
             children.append(child)
+            th = threading.Thread(target=collect, args=(os.fdopen(r, "rb"),), daemon=True)
+            th.start()
+            threads.append(th)
             assert child.stdin is not None
             try:
                 child.stdin.write(_frame((job, mine)))
                 child.stdin.close()
             except OSError:  # it died at start: its ranks are read here
-                continue
-            th = threading.Thread(target=collect, args=(child,), daemon=True)
-            th.start()
-            threads.append(th)
+                pass
         while any(th.is_alive() for th in threads) and not failed.is_set():
             failed.wait(0.1)
     finally:
@@ -140,19 +156,16 @@ def read_in_workers(job: Any, ranks: Sequence[int], n: int) -> Dict[int, Any]:
     return got
 
 
-def serve(read: Callable[[Any, int], Any], stdin: Any = None, stdout: Any = None) -> None:
-    """A worker's loop: ``(job, ranks)`` from stdin; for each rank in order, ``read(job, rank)`` as a
+def serve(read: Callable[[Any, int], Any], stdin: Any, stdout: Any) -> None:
+    """A worker's loop: ``(job, ranks)`` from ``stdin``; for each rank in order, ``read(job, rank)`` as a
     frame ``(rank, True, answer)``; at the first exception ``(rank, False, None)`` and stop."""
-    out = stdout or os.fdopen(os.dup(1), "wb")
-    if stdout is None:
-        os.dup2(2, 1)  # anything else printed goes to stderr, never into the answers
-    job, ranks = next(_frames(stdin or sys.stdin.buffer))
+    job, ranks = next(_frames(stdin))
     for rank in ranks:
         try:
             answer: Optional[Tuple[Any, ...]] = read(job, rank)
         except Exception:
-            out.write(_frame((rank, False, None)))
-            out.flush()
+            stdout.write(_frame((rank, False, None)))
+            stdout.flush()
             return
-        out.write(_frame((rank, True, answer)))
-        out.flush()
+        stdout.write(_frame((rank, True, answer)))
+        stdout.flush()

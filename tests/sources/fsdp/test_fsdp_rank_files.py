@@ -293,9 +293,24 @@ def test_lost_workers_ranks_are_read_here(tmp_path, monkeypatch):
 
     mesh, tensors = synthetic_layouts()["1d-rows"]
     src = write_rank_files(tmp_path / "actor", tensors, mesh)
-    monkeypatch.setattr(workers, "_MAIN", "hf_ckpt_integrations.no_such_module")
+    monkeypatch.setattr(workers, "_BOOT", "import hf_ckpt_integrations.no_such_module")
     lost = _plan_with(src, 2, monkeypatch)
     assert lost.tensors == _plan_with(src, 0, monkeypatch).tensors
+
+
+def test_what_a_worker_prints_never_enters_its_answers(tmp_path, monkeypatch, caplog):
+    """A sitecustomize (or .pth file, or import) that prints to stdout at the interpreter's start: the
+    workers answer on a pipe of their own, so their answers are used, not read again here."""
+    mesh, tensors = synthetic_layouts()["1d-rows"]
+    src = write_rank_files(tmp_path / "actor", tensors, mesh)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nsys.stdout.write('\\x00' * 64 + 'hello\\n')\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    with caplog.at_level("WARNING", logger="hf_ckpt_integrations.sources.fsdp_rank_files.workers"):
+        printed = _plan_with(src, 2, monkeypatch)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert printed.tensors == _plan_with(src, 0, monkeypatch).tensors
 
 
 def test_workers_exchange_plain_data_only(monkeypatch):
@@ -316,3 +331,7 @@ def test_workers_exchange_plain_data_only(monkeypatch):
         workers.processes(2, 0.0)
     monkeypatch.delenv("HFCKPT_READ_PROCESSES")
     assert workers.processes(1000, 0.001) == 0  # a small save: starting workers would cost more
+    monkeypatch.setattr(workers.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert workers.processes(1000, 1.0) == workers.MAX_WORKERS
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's 4 ranks of one node each plan: 4 CPUs each
+    assert workers.processes(1000, 1.0) == 4
