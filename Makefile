@@ -18,7 +18,7 @@ help:
 	@echo "              save_pretrained under ZeRO-2/3, and plan cost against the rank count on"
 	@echo "              synthetic 8..1,024-rank saves, and FSDP2/DCP export against dcp_to_torch_save,"
 	@echo "              accelerate merge-weights and consolidate_safetensors_files (not part of make test)"
-	@echo "make bench-scale - export 1, 5 and 20 GB synthetic saves (ZeRO-3, DCP, per-rank files, universal)"
+	@echo "make bench-scale - export 1, 5 and 20 GB synthetic saves (ZeRO-3 zip and legacy, DCP, per-rank files, universal)"
 	@echo "              against cp of the same bytes, cold and warm, and the 1,024-rank MoE plan simulation"
 	@echo "              (ZeRO-3, and per-rank files at 8 and 64 ranks in one process against worker processes);"
 	@echo "              needs root (drops the page cache), ~45 GB free under BENCH_SCRATCH and about an hour"

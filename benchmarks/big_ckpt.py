@@ -11,6 +11,8 @@ model), so a 20 GB save needs ~20 GB / ranks of RAM:
   partition ``fp32_flat_groups``, ``ceil(n / dp)`` elements of every parameter, the last rank
   zero-padded, plus Adam's ``exp_avg`` and ``exp_avg_sq``: three times the masters) and
   ``zero_pp_rank_R_mp_rank_00_model_states.pt`` (``param_shapes``, empty module tensors);
+- ``zero3-legacy``: the same files in torch.save's legacy (pre-zip) format, as DeepSpeed writes them
+  with ``"checkpoint": {"checkpoint_serialization": false}``;
 - ``dcp``: torch DCP's ``FileSystemWriter`` layout, one ``__R_0.distcp`` per rank of FSDP2's dim-0
   shards (each chunk ``torch.save``'d at the offset ``.metadata`` records, as the writer does) and
   the pickled ``Metadata``;
@@ -40,7 +42,7 @@ from synth_ckpt import TAG, _config, _ds_config, _ds_types, llama_shapes  # noqa
 
 __all__ = ["LAYOUTS", "make", "model_for"]
 
-LAYOUTS = ("zero3", "dcp", "rank-files")
+LAYOUTS = ("zero3", "zero3-legacy", "dcp", "rank-files")
 LAYERS, HEADS, KV_HEADS, VOCAB = 32, 32, 8, 32000
 _BLOCK = 1 << 24  # elements of the repeated random block (64 MiB of fp32)
 _pattern = None
@@ -78,7 +80,7 @@ def _write_config(directory, hidden):
         json.dump(_config(LAYERS, hidden, VOCAB, HEADS, KV_HEADS, None), fh, indent=2)
 
 
-def make_zero3(dst, gb: float, dp: int = 8) -> dict:
+def make_zero3(dst, gb: float, dp: int = 8, legacy: bool = False) -> dict:
     LossScaler, ZeroStageEnum, _ = _ds_types()
     hidden, shapes = model_for(gb * 1e9 / 3)  # masters + exp_avg + exp_avg_sq
     numels = [math.prod(s) for s in shapes.values()]
@@ -115,9 +117,11 @@ def make_zero3(dst, gb: float, dp: int = 8) -> dict:
         osd = {"zero_stage": ZeroStageEnum.weights, "loss_scaler": LossScaler(1.0), "dynamic_loss_scale": False,
                "overflow": False, "partition_count": dp, "optimizer_state_dict": adam, "fp32_flat_groups": [part]}
         torch.save({"optimizer_state_dict": osd, **common},
-                   os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+                   os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"),
+                   _use_new_zipfile_serialization=not legacy)
         torch.save({"module": empty, **model_common},
-                   os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
+                   os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"),
+                   _use_new_zipfile_serialization=not legacy)
         del part, adam, osd
     return {"hidden": hidden, "parameters": sum(numels), "export_fp32_bytes": 4 * sum(numels)}
 
@@ -209,7 +213,8 @@ def make(layout: str, dst, gb: float, ranks: int = 8) -> dict:
     """Write ``layout`` of ``gb`` GB of tensors under ``dst``; a summary with ``src`` (the directory to
     export), ``seconds`` and the byte counts."""
     started = time.perf_counter()
-    info = {"zero3": make_zero3, "dcp": make_dcp, "rank-files": make_rank_files}[layout](dst, gb, ranks)
+    info = {"zero3": make_zero3, "zero3-legacy": lambda d, g, r: make_zero3(d, g, r, legacy=True), "dcp": make_dcp,
+            "rank-files": make_rank_files}[layout](dst, gb, ranks)
     info.setdefault("src", str(dst))
     total = 0
     for root, _, files in os.walk(dst):

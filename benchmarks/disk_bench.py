@@ -1,6 +1,7 @@
 """``make bench-scale``: export speed against the disk's own copy speed, 1 GB to 20+ GB, and peak RSS.
 
-For each size and source layout (``benchmarks/big_ckpt.py``: a ZeRO-3 save, a torch DCP directory,
+For each size and source layout (``benchmarks/big_ckpt.py``: a ZeRO-3 save, the same in torch.save's
+legacy pre-zip format (``zero3-legacy``), a torch DCP directory,
 verl-style per-rank ``torch.save`` files, and the DeepSpeed universal checkpoint written from the
 ZeRO-3 save), generated once into ``--scratch`` (a directory on the disk under test, not tmpfs),
 each round runs, side by side, as fresh processes:
@@ -24,7 +25,7 @@ Results go to ``.bench-cache/disk-results.json`` (merged per size, so sizes can 
 ``--doc`` renders the ``disk-bench`` block of ``docs/performance.md`` and ``docs/disk.png`` from it.
 Not a test: nothing asserts a time. Usage:
 ``.venv/bin/python benchmarks/disk_bench.py --scratch /big/disk/dir [--sizes 1,5,20] [--layouts
-zero3,dcp,rank-files,universal] [--rounds 3] [--parallel 2] [--doc]``.
+zero3,zero3-legacy,dcp,rank-files,universal] [--rounds 3] [--parallel 2] [--doc]``.
 """
 
 import argparse
@@ -46,7 +47,7 @@ RESULTS = CACHE / "disk-results.json"
 DOC = REPO / "docs" / "performance.md"
 PLOT = REPO / "docs" / "disk.png"
 START, END = "<!-- disk-bench:start -->", "<!-- disk-bench:end -->"
-LAYOUTS = ("zero3", "dcp", "rank-files", "universal")
+LAYOUTS = ("zero3", "zero3-legacy", "dcp", "rank-files", "universal")
 
 DCP_PEER = ("import sys\nfrom torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
             "dcp_to_torch_save(sys.argv[1], sys.argv[2])\n")
@@ -127,7 +128,7 @@ def measure(layout: str, gb: float, scratch: Path, rounds: int, parallel: int, p
     first = run_child(tool_cmd(layout, src, out, 0, shard), scratch)  # derives and caches the Hub layout
     out_bytes = tree_bytes(out)
     rm(out)
-    copy_src = out if layout == "zero3" else src  # the bytes the export writes
+    copy_src = out if layout.startswith("zero3") else src  # the bytes the export writes
     rows = {"export": [], "cp": []}
     if parallel:
         rows[f"export x{parallel}"] = []
@@ -313,7 +314,7 @@ def main(argv=None):
                 RESULTS.parent.mkdir(exist_ok=True)
                 RESULTS.write_text(json.dumps(saved, indent=1))
             if not args.keep:
-                for layout in ("zero3", "dcp", "rank-files"):
+                for layout in ("zero3", "zero3-legacy", "dcp", "rank-files"):
                     rm(args.scratch / f"{layout}-{gb:g}gb")
     if args.doc:
         results = sorted(saved["results"].values(), key=lambda r: (LAYOUTS.index(r["layout"]), r["gb"]))
