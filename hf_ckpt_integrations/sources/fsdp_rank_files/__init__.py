@@ -418,13 +418,14 @@ def _read_other(path: str, rank: int, sd: Optional[dict], consumed: Collection[s
 
 def read_for_worker(job: Any, rank: int) -> Tuple[Any, ...]:
     """A worker process's read of rank ``rank``'s file (:mod:`.workers`), as plain data: ``job`` is
-    ``(files, rank 0's row records or None, names skipped, rank 0's names)``."""
-    files, first, consumed, order = job
+    ``(files, rank 0's row records or None, names skipped, rank 0's names)``, the names as sets (plain
+    data too: built once, not for every rank a worker reads)."""
+    files, first, consumed, names = job
     rows = None
     if first is not None:
         rows = RowShards(files)
         rows.first = first
-    shards, facts, skipped = _read_other(files[rank], rank, None, set(consumed), rows, set(order))
+    shards, facts, skipped = _read_other(files[rank], rank, None, consumed, rows, names)
     plain = {name: (s.shape, s.dtype, s.describe,
                     [(tuple((p.path, p.offset, p.numel, p.dtype) for p in c.pieces), c.offsets, c.sizes)
                      for c in s.chunks]) for name, s in shards.items()}
@@ -455,7 +456,7 @@ def _read_ranks(files: List[str], states: Sequence[Optional[dict]], consumed: Se
     ranks = [shards]
     n = workers.processes(len(files) - 1, time.perf_counter() - started) \
         if all(s is None for s in states) else 0  # (preloaded states: FSDP1 LOCAL_STATE_DICT, read already)
-    answers = workers.read_in_workers((files, rows.first if rows is not None else None, sorted(consumed), order),
+    answers = workers.read_in_workers((files, rows.first if rows is not None else None, consumed, first),
                                       range(1, len(files)), n) if n else {}
     for r in range(1, len(files)):
         answer = answers.pop(r, None)

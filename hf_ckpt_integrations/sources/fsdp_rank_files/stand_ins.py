@@ -47,11 +47,30 @@ def _obj_type(name: str) -> Type[_Obj]:
     return type(name, (_Obj,), {"kind": name})
 
 
-TYPES = {n: _obj_type(n) for n in ("DeviceMesh", "_MeshLayout", "_FlatLayout", "DTensorSpec", "TensorMeta",
+class _DeviceMesh(_Obj):
+    """A DeviceMesh keeps only the fields a reader takes (``_mesh`` in the source): its layout or mesh
+    tensor, this rank's coordinate and rank, the dim names. torch 2.9+ also pickles maps of the whole
+    world (``_flatten_rank_map``: one int per rank; ``_root_mesh`` and ``_flatten_mapping``: other meshes,
+    each with its own), and every DTensor of a file shares the mesh: kept, the mesh of a 1,024-rank save
+    was ~1,100 nodes, over the unpickler's SHARED_SMALL, so it was counted at each of a file's DTensors
+    (45,395 of them: 50M nodes) and the file refused as crafted. Dropped at BUILD, they never count."""
+
+    kind = "DeviceMesh"
+    READ = frozenset(("_layout", "mesh", "_coordinate_on_dim", "_rank", "_mesh_dim_names", "mesh_dim_names"))
+
+    def __setstate__(self, state: Any) -> None:
+        keep = self.READ
+        parts = [{k: v for k, v in part.items() if k in keep} if type(part) is dict else part
+                 for part in (state if type(state) is tuple else (state,))]
+        self.state = tuple(parts) if type(state) is tuple else parts[0]
+
+
+TYPES = {n: _obj_type(n) for n in ("_MeshLayout", "_FlatLayout", "DTensorSpec", "TensorMeta",
                                     "ShardOrderEntry", "Shard", "_StridedShard", "Replicate", "Partial",
                                     # FSDP1 SHARDED_STATE_DICT without a device mesh: ShardedTensor's parts
                                     "LocalShard", "ShardMetadata", "ShardedTensorMetadata", "TensorProperties",
                                     "_remote_device", "ChunkShardingSpec", "ProcessGroupState")}
+TYPES["DeviceMesh"] = _DeviceMesh
 
 
 class _Marker:

@@ -19,7 +19,7 @@ rank's. The exports are the same whichever process read a file (tests/sources/fs
 ``HFCKPT_READ_PROCESSES``: ``0`` reads every file in the calling process; ``N`` uses ``N`` workers
 whatever the files' size; unset, workers are used when rank 0's file took long enough that the
 others would take over :data:`MIN_SECONDS` in one process (and there are 2+ CPUs). Each worker holds
-one file's unpickled tree at a time (~300 MB for a 45,395-DTensor file).
+one file's unpickled tree at a time (447 MB peak RSS measured for a 45,395-DTensor file).
 """
 
 import io
@@ -85,8 +85,9 @@ def _frames(stream: Any) -> Any:
         head = stream.read(8)
         if len(head) < 8:
             return
-        body = stream.read(int.from_bytes(head, "little"))
-        if len(body) < int.from_bytes(head, "little"):
+        size = int.from_bytes(head, "little")
+        body = stream.read(size)
+        if len(body) < size:
             return
         yield plain_loads(body)
 

@@ -258,6 +258,38 @@ def _plan_with(src, processes, monkeypatch):
     return fsdp_rank_files.plan(PlanContext(path=str(src)))
 
 
+def test_a_file_of_a_1024_rank_save_is_read(tmp_path):
+    """torch 2.9+ pickles a DeviceMesh with one int per rank of the world (``_flatten_rank_map``),
+    and every DTensor of a file shares the mesh: at 1,024 ranks the mesh was ~1,100 nodes, counted at
+    each DTensor, so a file of 2,000 DTensors (2.2M nodes; a DeepSeek-V3 file: 50M) was refused as
+    crafted. The mesh stand-in keeps only the fields the source reads."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hf_ckpt_integrations.formats import torch_files
+    from hf_ckpt_integrations.sources.fsdp_rank_files.stand_ins import ALLOWED
+
+    world, rank, n = 1024, 5, 2000
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        assert len(mesh.__getstate__()["_flatten_rank_map"]) == world  # (what torch pickles, which the test is about)
+        sd = {f"layers.{i}.w": DTensor.from_local(torch.full((1, 2), float(i)), mesh, [Shard(0)], run_check=False,
+                                                  shape=torch.Size((world, 2)), stride=(2, 1)) for i in range(n)}
+        torch.save(sd, tmp_path / "model_world_size_1024_rank_5.pt")
+    finally:
+        dist.destroy_process_group()
+    loaded = torch_files.load(str(tmp_path / "model_world_size_1024_rank_5.pt"), allowed=ALLOWED)
+    assert len(loaded) == n
+    meshes = {id(t.spec.field("mesh")) for t in loaded.values()}
+    assert len(meshes) == 1  # one mesh, shared, as torch pickled it
+    got = loaded["layers.7.w"]
+    assert (got.spec.field("mesh").field("_coordinate_on_dim"), got.spec.field("mesh").field("_rank")) == ((5,), 5)
+    assert (got.local.shape, got.local.dtype, tuple(got.shape)) == ((1, 2), "F32", (world, 2))
+
+
 @pytest.mark.parametrize("layout", ["1d-rows", "hsdp", "fsdp-tp"])
 def test_worker_processes_plan_what_one_process_plans(tmp_path, monkeypatch, layout):
     """Ranks 1-3 read by 2 real worker processes: the same tensors, pieces (rank 3's shifted rows
@@ -320,7 +352,7 @@ def test_workers_exchange_plain_data_only(monkeypatch):
     from hf_ckpt_integrations.errors import OptionError
     from hf_ckpt_integrations.sources.fsdp_rank_files import workers
 
-    plain = ({"a": ((2, 3), "float32", 0, 0)}, [(1, 64)], "x", 1.5, None, True)
+    plain = ({"a": ((2, 3), "float32", 0, 0)}, [(1, 64)], "x", 1.5, None, True, {"names", "sent", "as sets"})
     assert workers.plain_loads(pickle.dumps(plain)) == plain
     with pytest.raises(pickle.UnpicklingError, match="plain data only"):
         workers.plain_loads(pickle.dumps(Piece("p", 0, 1, "float32")))
