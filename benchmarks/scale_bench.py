@@ -243,6 +243,38 @@ def rf_main(args) -> int:
     return 0
 
 
+def dcp_main(args) -> int:
+    """torch DCP saves of the DeepSeek-V3-like MoE (``benchmarks/synth_dcp.py``): the plan, fresh processes."""
+    ranks = "8,16" if args.ranks == "8,64,256,1024" else args.ranks
+    results, saved = {}, CACHE / "dcp-results.json"
+    for world in map(int, ranks.split(",")):
+        src = CACHE / f"dcp-w{world}"
+        if not (src / "DONE").exists():
+            print(f"generating the MoE DCP save x {world} ranks (once)", file=sys.stderr, flush=True)
+            text = subprocess.run([PY, str(REPO / "benchmarks" / "synth_dcp.py"), str(src), "--world", str(world)],
+                                  env=ENV, check=True, capture_output=True, text=True).stdout
+            (src / "DONE").write_text(text.strip().splitlines()[-1])
+        made = json.loads((src / "DONE").read_text())
+        runs = []
+        for _ in range(args.rounds):
+            proc = subprocess.run([PY, "-c", RF_CHILD, str(src)], env=ENV, capture_output=True, text=True, check=True,
+                                  cwd=REPO)
+            runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(world, runs[-1], file=sys.stderr, flush=True)
+        med = statistics.median
+        results[str(world)] = {"chunks": made["chunks"], "metadata_bytes": made["metadata_bytes"],
+                               "s": med(x["s"] for x in runs), "cpu": med(x["cpu"] for x in runs),
+                               "rss": max(x["rss"] for x in runs), "all_s": [round(x["s"], 1) for x in runs]}
+        meta = {"date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"), "rounds": args.rounds}
+        saved.write_text(json.dumps({"results": results, "meta": meta}, indent=1))
+    lines = ["| ranks | chunks | .metadata | wall s (median) | CPU s | peak RSS | runs (s) |", "|---|---|---|---|---|---|---|"]
+    for world, v in results.items():
+        lines.append(f"| {int(world):,} | {v['chunks']:,} | {v['metadata_bytes'] / 1e6:,.0f} MB | {v['s']:.1f} | "
+                     f"{v['cpu']:.1f} | {v['rss'] / 1e6:,.0f} MB | {', '.join(map(str, v['all_s']))} |")
+    print("\n".join(lines))
+    return 0
+
+
 def cache_dir() -> Path:
     h = hashlib.sha256((REPO / "benchmarks" / "synth_ckpt.py").read_bytes()).hexdigest()[:12]
     return CACHE / f"scale-{h}"
@@ -379,7 +411,11 @@ def main(argv=None):
                     f"(--ranks default {MOE_RANKS}; prints a table and the 1,024-rank extrapolation)")
     ap.add_argument("--rank-files", action="store_true", help="verl per-rank FSDP2 files of the same MoE: the plan "
                     f"in one process against worker processes (--ranks default {RF_RANKS})")
+    ap.add_argument("--dcp", action="store_true", help="torch DCP saves of the same MoE: the plan (--ranks default "
+                    "8,16)")
     args = ap.parse_args(argv)
+    if args.dcp:
+        return dcp_main(args)
     if args.rank_files:
         return rf_main(args)
     if args.moe:

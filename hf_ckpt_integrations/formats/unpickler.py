@@ -16,7 +16,10 @@ shallow keys, calls allowlisted callables only with arguments they cannot blow u
 the loaded tree is walked once, iteratively, within :data:`MAX_DEPTH` and :data:`MAX_NODES`
 (counting shared nodes every time they are reached, but a small shared stand-in once:
 :data:`SHARED_SMALL`). Anything over a budget is a
-:class:`~..errors.CheckpointError`, in bounded time and memory.
+:class:`~..errors.CheckpointError`, in bounded time and memory. The budgets of a pickle read whole grow
+with its size (:data:`OPS_PER_BYTE`, :data:`NODES_PER_BYTE`, :data:`HELD_PER_BYTE`): a real metadata
+pickle of 50-500 MB (torch DCP's, at 0.4-3.5M chunks) passes, and its time and memory stay a
+multiple of its size.
 """
 
 import _compat_pickle
@@ -48,7 +51,8 @@ class PickleInput(Protocol):
 
 __all__ = ["StandIn", "Leaf", "Opaque", "Record", "record_type", "CONTAINERS", "CLIENT_STATE", "NumpyArray",
            "NumpyDtype", "NumpyScalar", "EnumMember", "loads",
-           "load_pickle", "load_stream", "gc_paused", "MAX_PICKLE_BYTES", "MAX_OPS", "MAX_NODES", "MAX_DEPTH", "SHARED_SMALL"]
+           "load_pickle", "load_stream", "gc_paused", "MAX_PICKLE_BYTES", "MAX_OPS", "MAX_NODES", "MAX_DEPTH", "SHARED_SMALL",
+           "OPS_PER_BYTE", "NODES_PER_BYTE", "HELD_PER_BYTE"]
 
 # Budgets for one file's pickle (a DeepSpeed data.pkl of a 70B model is a few MB, its tree
 # ~10^5 nodes, 8 levels deep): far above any real checkpoint, far below what hurts a machine.
@@ -57,6 +61,16 @@ MAX_OPS = 20_000_000  # opcodes executed (each makes at most one object)
 MAX_NODES = 2_000_000  # tree nodes, a shared node counted each time it is reached (but see SHARED_SMALL)
 SHARED_SMALL = 256  # a shared stand-in of at most this many nodes counts once, then 1 per reference
 MAX_DEPTH = 100
+# A pickle in memory gets budgets that grow with its size, so that a real one of any size up to
+# MAX_PICKLE_BYTES passes: torch DCP's ``.metadata`` holds ~72 bytes, 35 opcodes and 14 nodes per chunk,
+# and a DeepSeek-V3 save over 8 ranks has 363k chunks (26 MB: 5.2M nodes, refused as crafted under the
+# fixed budgets alone). Time and memory then stay within a multiple of the pickle's size, and what the
+# budgets are for still runs into them: a DAG or a shared container referenced over and over describes
+# far more nodes than it has bytes. (A pickle read as a stream, torch.save's legacy format, keeps the
+# fixed budgets: its size is not known up front.)
+OPS_PER_BYTE = 1  # (every opcode is at least a byte: an in-memory pickle cannot run past its size)
+NODES_PER_BYTE = 1  # DCP metadata describes 0.2 nodes per byte, a rank file of DTensors 0.04
+HELD_PER_BYTE = 0.5  # objects held at once: DCP metadata 0.11 per byte
 _CHECK_EVERY = 65536  # opcodes between two checks of the objects the unpickler holds
 
 
@@ -67,8 +81,12 @@ class _Unpickler(_pickle._Unpickler):
     of 20,000 tensors, milliseconds for the engine files of the tests."""
 
     def __init__(self, file: PickleInput, path: str, allowed: Allowlist,
-                 persistent_load: Optional[Callable[[Any], Any]] = None) -> None:
+                 persistent_load: Optional[Callable[[Any], Any]] = None, size: int = 0) -> None:
         super().__init__(file)
+        # the budgets of this pickle (``size``: its bytes when in memory, else 0: the fixed budgets)
+        self.max_ops = max(MAX_OPS, int(OPS_PER_BYTE * size))
+        self._max_held = max(2 * MAX_NODES, int(HELD_PER_BYTE * size))
+        self.max_nodes = max(MAX_NODES, int(NODES_PER_BYTE * size))
         self._path = path
         self._allowed = allowed
         self._persistent_load = persistent_load  # None: a plain pickle, persistent ids refused
@@ -89,7 +107,7 @@ class _Unpickler(_pickle._Unpickler):
         self.stack: list[Any] = []
         self.append = self.stack.append
         self.proto = 0
-        read, dispatch, left = self.read, self._dispatch, MAX_OPS
+        read, dispatch, left = self.read, self._dispatch, self.max_ops
         try:
             if self._memfile is not None:
                 left = self._load_inline(self._memfile, self._memfile.getvalue(), left)
@@ -101,13 +119,16 @@ class _Unpickler(_pickle._Unpickler):
                         raise EOFError
                     dispatch[key[0]](self)
                 left -= n
-                if len(self.stack) + self._parked + len(self.metastack) + len(self.memo) > 2 * MAX_NODES:
-                    raise CheckpointError(f"{self._path}: its pickle holds over {2 * MAX_NODES} objects at once; no "
-                                          "checkpoint's metadata is that large: the file is corrupt or crafted")
+                if len(self.stack) + self._parked + len(self.metastack) + len(self.memo) > self._max_held:
+                    self._too_many_held()
         except _pickle._Stop as stop:
             return stop.value
-        raise CheckpointError(f"{self._path}: its pickle runs past {MAX_OPS} operations; no checkpoint's "
+        raise CheckpointError(f"{self._path}: its pickle runs past {self.max_ops} operations; no checkpoint's "
                               "metadata is that large: the file is corrupt or crafted")
+
+    def _too_many_held(self) -> NoReturn:
+        raise CheckpointError(f"{self._path}: its pickle holds over {self._max_held} objects at once; no "
+                              "checkpoint's metadata is that large: the file is corrupt or crafted")
 
     def _load_inline(self, file: io.BytesIO, data: bytes, left: int) -> int:
         """Run the pickle in ``data`` from the file's position, the opcodes torch's pickles are made
@@ -191,9 +212,8 @@ class _Unpickler(_pickle._Unpickler):
                     stack = self.stack
                     append = stack.append
             left -= n
-            if len(stack) + self._parked + len(self.metastack) + len(memo) > 2 * MAX_NODES:
-                raise CheckpointError(f"{self._path}: its pickle holds over {2 * MAX_NODES} objects at once; no "
-                                      "checkpoint's metadata is that large: the file is corrupt or crafted")
+            if len(stack) + self._parked + len(self.metastack) + len(memo) > self._max_held:
+                self._too_many_held()
         file.seek(pos)
         return left
 
@@ -314,8 +334,9 @@ def load_pickle(path: "str | os.PathLike[str]", *, allowed: Allowlist) -> Any:
         raise CheckpointError(f"{path}: empty file (0 bytes); the save was interrupted, "
                               "use an earlier checkpoint or copy it again")
     if len(data) > MAX_PICKLE_BYTES:
-        raise CheckpointError(f"{path}: over {MAX_PICKLE_BYTES} bytes; no checkpoint's metadata is that large: "
-                              "the file is corrupt or crafted")
+        raise CheckpointError(f"{path}: over {MAX_PICKLE_BYTES} bytes, more metadata than hf-ckpt reads (torch DCP "
+                              "reaches it at ~3.5M chunks: a 45,000-tensor MoE sharded over ~75 ranks); a real "
+                              "checkpoint this large: please report it; otherwise the file is corrupt or crafted")
     return loads(data, path=path, allowed=allowed)
 
 
@@ -328,19 +349,22 @@ def loads(data: bytes, *, path: str, allowed: Allowlist, where: Optional[str] = 
     Raises :class:`UnsafeCheckpointError` for a global not on the list, :class:`CheckpointError`
     for a malformed pickle or one over a budget, each naming ``where``.
     """
-    return load_stream(io.BytesIO(data), path=path, allowed=allowed, where=where, persistent_load=persistent_load)
+    return load_stream(io.BytesIO(data), path=path, allowed=allowed, where=where, persistent_load=persistent_load,
+                       size=len(data))
 
 
 def load_stream(file: PickleInput, *, path: str, allowed: Allowlist, where: Optional[str] = None,
-                persistent_load: Optional[Callable[[Any], Any]] = None) -> Any:
+                persistent_load: Optional[Callable[[Any], Any]] = None, size: int = 0) -> Any:
     """:func:`loads` of the pickle that starts at ``file``'s position (``read(n)``/``readline()``;
     it bounds its own reads). Reads up to its STOP opcode and no further: a file of several pickles
-    (torch.save's legacy format) is read one after another, without finding their ends first."""
+    (torch.save's legacy format) is read one after another, without finding their ends first.
+    ``size``: the pickle's bytes, when it is all in memory (:func:`loads`): its budgets grow with it."""
     where = path if where is None else where
     try:
         with gc_paused():
-            obj = _Unpickler(file, path, allowed, persistent_load).load()
-            _check_tree(obj, where)
+            unpickler = _Unpickler(file, path, allowed, persistent_load, size)
+            obj = unpickler.load()
+            _check_tree(obj, where, unpickler.max_nodes)
         return obj
     except CheckpointError as e:
         if str(e).startswith(path):
@@ -400,7 +424,7 @@ def _small(node: Any) -> bool:
 _ATOM_TYPES = frozenset(ATOMS)
 
 
-def _check_tree(obj: Any, path: str) -> None:
+def _check_tree(obj: Any, path: str, max_nodes: int) -> None:
     """Walk the loaded tree once, level by level, within the budgets. A shared node is counted each time
     it is reached (so a DAG or a cycle that a later walk would expand runs out of budget here), except a
     stand-in of at most :data:`SHARED_SMALL` nodes reached again: its tree counts once and each further
@@ -432,8 +456,8 @@ def _check_tree(obj: Any, path: str) -> None:
                         continue
                     once.add(key)
                 below.extend(_children(node))
-            if count + len(below) > MAX_NODES:
-                raise CheckpointError(f"{path}: its pickle describes over {MAX_NODES} objects (counting shared "
+            if count + len(below) > max_nodes:
+                raise CheckpointError(f"{path}: its pickle describes over {max_nodes} objects (counting shared "
                                       "ones each time they are used); no checkpoint's metadata is that large: "
                                       "the file is corrupt or crafted")
         level, depth = below, depth + 1

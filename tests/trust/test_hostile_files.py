@@ -447,6 +447,12 @@ def _reason(err, path) -> str:
 # Each budget patched small; the same file passes at the limit and is refused one below it, naming
 # that budget (a budget dropped, or its comparison off by one, fails here).
 
+@pytest.fixture
+def fixed_budgets(monkeypatch):
+    """The fixed budgets alone, as for a pickle read as a stream: not grown with the pickle's bytes."""
+    for name in ("OPS_PER_BYTE", "NODES_PER_BYTE", "HELD_PER_BYTE"):
+        monkeypatch.setattr(unpickler, name, 0)
+
 def _write(tmp_path, obj_or_bytes, name="meta.pkl", protocol=2):
     p = tmp_path / name
     p.write_bytes(obj_or_bytes if isinstance(obj_or_bytes, bytes) else pickle.dumps(obj_or_bytes, protocol=protocol))
@@ -459,7 +465,7 @@ def _loads(p):
 
 # protocol 2 (torch.save's) runs in the inline loop over the bytes; protocol 4 is framed, read by the standard one
 @pytest.mark.parametrize("protocol", [2, 4])
-def test_opcode_budget(tmp_path, monkeypatch, protocol):
+def test_opcode_budget(tmp_path, monkeypatch, fixed_budgets, protocol):
     p = _write(tmp_path, list(range(50)), protocol=protocol)
     ops = sum(1 for _ in pickletools.genops(p.read_bytes()))
     monkeypatch.setattr(unpickler, "MAX_OPS", ops)
@@ -470,7 +476,7 @@ def test_opcode_budget(tmp_path, monkeypatch, protocol):
     assert _reason(e.value, p).startswith(f"its pickle runs past {ops - 1} operations"), str(e.value)
 
 
-def test_node_budget(tmp_path, monkeypatch):
+def test_node_budget(tmp_path, monkeypatch, fixed_budgets):
     p = _write(tmp_path, {"a": [0] * 20, "b": (1, 2)})  # 1 dict + 2 keys + 2 values + 20 + 2 atoms
     monkeypatch.setattr(unpickler, "MAX_NODES", 27)
     assert _loads(p)["b"] == (1, 2)
@@ -480,7 +486,7 @@ def test_node_budget(tmp_path, monkeypatch):
     assert _reason(e.value, p).startswith("its pickle describes over 26 objects"), str(e.value)
 
 
-def test_shared_nodes_count_each_time_they_are_reached(tmp_path, monkeypatch):
+def test_shared_nodes_count_each_time_they_are_reached(tmp_path, monkeypatch, fixed_budgets):
     x = [0] * 10
     p = _write(tmp_path, [x, x, x])  # 1 + 3 + 30 when walked, 1 + 1 + 10 stored
     monkeypatch.setattr(unpickler, "MAX_NODES", 34)
@@ -490,7 +496,7 @@ def test_shared_nodes_count_each_time_they_are_reached(tmp_path, monkeypatch):
         _loads(p)
 
 
-def test_a_small_shared_stand_in_counts_once(tmp_path, monkeypatch):
+def test_a_small_shared_stand_in_counts_once(tmp_path, monkeypatch, fixed_budgets):
     """torch pickles one DeviceMesh that every DTensor refers to: a stand-in of at most SHARED_SMALL
     nodes, reached again, counts 1 per reference (a DeepSeek-V3 rank file: 3.9M nodes -> 0.7M). Each
     stand-in below is a Record whose state is {"s": [10 ints]}: 14 nodes with itself."""
@@ -509,7 +515,7 @@ def test_a_small_shared_stand_in_counts_once(tmp_path, monkeypatch):
         _loads_records(p)
 
 
-def test_a_large_shared_stand_in_counts_each_time(tmp_path, monkeypatch):
+def test_a_large_shared_stand_in_counts_each_time(tmp_path, monkeypatch, fixed_budgets):
     """Over SHARED_SMALL nodes, a shared stand-in is walked at every reference, as any node: a DAG of
     stand-ins is refused as a DAG of lists is."""
     monkeypatch.setattr(unpickler, "SHARED_SMALL", 13)
@@ -536,6 +542,49 @@ def _loads_records(p):
     return unpickler.load_pickle(p, allowed={"test": {"Rec": _REC}})
 
 
+def _dcp_metadata(tensors, chunks):
+    """torch DCP's ``.metadata`` pickle (torch's own dataclasses) of ``tensors`` x ``chunks`` dim-0 chunks."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    sdm, storage = {}, {}
+    for t in range(tensors):
+        fqn = f"model.layers.{t}.mlp.experts.0.w1.weight"
+        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2 * chunks, 4]),
+                                         [ChunkStorageMetadata(torch.Size([2 * c, 0]), torch.Size([2, 4]))
+                                          for c in range(chunks)])
+        for c in range(chunks):
+            storage[MetadataIndex(fqn, torch.Size([2 * c, 0]))] = _StorageInfo(f"__{c}_0.distcp", 32 * t, 32)
+    return pickle.dumps(Metadata(state_dict_metadata=sdm, storage_data=storage))
+
+
+def test_budgets_grow_with_the_pickle_so_a_large_real_one_passes(tmp_path, monkeypatch):
+    """DCP metadata describes ~14 nodes per chunk: a DeepSeek-V3 save over 8 ranks (363k chunks) was over
+    the fixed 2M nodes and refused as crafted. Here the fixed budget is patched below what a small real
+    metadata describes; grown with its bytes (0.2 nodes per byte), the budget admits it."""
+    from hf_ckpt_integrations.sources import dcp
+
+    p = _write(tmp_path, _dcp_metadata(40, 25), name=".metadata")
+    monkeypatch.setattr(unpickler, "MAX_NODES", 2_000)  # (about a tenth of what this one describes)
+    monkeypatch.setattr(unpickler, "MAX_OPS", 2_000)
+    md = unpickler.load_pickle(p, allowed=dcp.ALLOWED)
+    assert len(md.field("state_dict_metadata")) == 40 and len(md.field("storage_data")) == 1000
+    monkeypatch.setattr(unpickler, "NODES_PER_BYTE", 0)
+    with pytest.raises(CheckpointError, match="describes over 2000 objects"):
+        unpickler.load_pickle(p, allowed=dcp.ALLOWED)
+
+
+def test_grown_budgets_still_refuse_what_expands(tmp_path):
+    """A list of 100,000 ints referenced 1,000,000 times: 2.2 MB that describe 10^11 nodes. The budget
+    grows with the bytes (2.2M nodes here), the expansion with their square: refused, fast."""
+    body = b"(" + b"K\x07" * 100_000 + b"l" + b"q\x01" + b"0"  # the list, memo 1, popped
+    body += b"(" + b"h\x01" * 1_000_000 + b"l"  # a list of 1,000,000 references to it
+    p = _write(tmp_path, b"\x80\x02" + body + b".")
+    with pytest.raises(CheckpointError, match="describes over 2[0-9]{6} objects"):
+        _loads(p)
+
+
 def test_depth_budget(tmp_path, monkeypatch):
     deep = 0
     for _ in range(6):
@@ -557,7 +606,7 @@ def test_pickle_size_budget_of_a_plain_pickle(tmp_path, monkeypatch):
     monkeypatch.setattr(unpickler, "MAX_PICKLE_BYTES", size - 1)
     with pytest.raises(CheckpointError) as e:
         _loads(p)
-    assert _reason(e.value, p).startswith(f"over {size - 1} bytes; no checkpoint's metadata is that large"), \
+    assert _reason(e.value, p).startswith(f"over {size - 1} bytes, more metadata than hf-ckpt reads"), \
         str(e.value)
 
 

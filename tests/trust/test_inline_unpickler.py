@@ -34,7 +34,7 @@ def _run(cls, data, allowed, persistent_load):
     try:
         with unpickler.gc_paused():
             obj = cls(io.BytesIO(data), "x.pkl", allowed, persistent_load).load()
-            unpickler._check_tree(obj, "x.pkl")
+            unpickler._check_tree(obj, "x.pkl", unpickler.MAX_NODES)
         return "ok", obj
     except CheckpointError as e:  # UnsafeCheckpointError included: the class is compared
         return type(e).__name__, None
