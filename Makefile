@@ -20,7 +20,8 @@ help:
 	@echo "              accelerate merge-weights and consolidate_safetensors_files (not part of make test)"
 	@echo "make bench-scale - export 1, 5 and 20 GB synthetic saves (ZeRO-3 zip and legacy, DCP, per-rank files, universal)"
 	@echo "              against cp of the same bytes, cold and warm, and the 1,024-rank MoE plan simulation"
-	@echo "              (ZeRO-3, and per-rank files at 8 and 64 ranks in one process against worker processes);"
+	@echo "              (ZeRO-3, per-rank files at 8 and 64 ranks in one process against worker processes, and"
+	@echo "              torch DCP at 8 and 16 ranks);"
 	@echo "              needs root (drops the page cache), ~45 GB free under BENCH_SCRATCH and about an hour"
 	@echo "make bench-megatron - export a Megatron-Core torch_dist save against slime's converter and mbridge"
 	@echo "              (MBRIDGE=DIR holding mbridge's package; without it, slime only; not part of make test)"
@@ -71,6 +72,7 @@ bench-scale: setup
 		--parallel 2 --shard 1GB --tag=-par --peer-max-gb 0 --doc
 	.venv/bin/python benchmarks/scale_bench.py --moe --rounds 1
 	.venv/bin/python benchmarks/scale_bench.py --rank-files --ranks 8,64 --rounds 3
+	.venv/bin/python benchmarks/scale_bench.py --dcp --ranks 8,16 --rounds 3
 
 # hf-ckpt export of a real Megatron-Core 0.16.1 torch_dist save (~0.9 GB) against slime's converter
 # (benchmarks/peers/slime) and mbridge (MBRIDGE=DIR: its package, never installed into .venv; GitHub main:

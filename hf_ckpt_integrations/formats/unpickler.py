@@ -18,7 +18,7 @@ the loaded tree is walked once, iteratively, within :data:`MAX_DEPTH` and :data:
 :data:`SHARED_SMALL`). Anything over a budget is a
 :class:`~..errors.CheckpointError`, in bounded time and memory. The budgets of a pickle read whole grow
 with its size (:data:`OPS_PER_BYTE`, :data:`NODES_PER_BYTE`, :data:`HELD_PER_BYTE`): a real metadata
-pickle of 50-500 MB (torch DCP's, at 0.4-3.5M chunks) passes, and its time and memory stay a
+pickle of 50-500 MB (torch DCP's, at 0.4-3.8M chunks) passes, and its time and memory stay a
 multiple of its size.
 """
 
@@ -335,7 +335,7 @@ def load_pickle(path: "str | os.PathLike[str]", *, allowed: Allowlist) -> Any:
                               "use an earlier checkpoint or copy it again")
     if len(data) > MAX_PICKLE_BYTES:
         raise CheckpointError(f"{path}: over {MAX_PICKLE_BYTES} bytes, more metadata than hf-ckpt reads (torch DCP "
-                              "reaches it at ~3.5M chunks: a 45,000-tensor MoE sharded over ~75 ranks); a real "
+                              "reaches it at ~3.8M chunks: a 45,000-tensor MoE sharded over ~85 ranks); a real "
                               "checkpoint this large: please report it; otherwise the file is corrupt or crafted")
     return loads(data, path=path, allowed=allowed)
 
