@@ -62,15 +62,15 @@ MAX_NODES = 2_000_000  # tree nodes, a shared node counted each time it is reach
 SHARED_SMALL = 256  # a shared stand-in of at most this many nodes counts once, then 1 per reference
 MAX_DEPTH = 100
 # A pickle in memory gets budgets that grow with its size, so that a real one of any size up to
-# MAX_PICKLE_BYTES passes: torch DCP's ``.metadata`` holds ~72 bytes, 35 opcodes and 14 nodes per chunk,
-# and a DeepSeek-V3 save over 8 ranks has 363k chunks (26 MB: 5.2M nodes, refused as crafted under the
-# fixed budgets alone). Time and memory then stay within a multiple of the pickle's size, and what the
+# MAX_PICKLE_BYTES passes: torch DCP's ``.metadata`` holds ~140 bytes, ~35 opcodes and ~14 nodes per
+# chunk, and a DeepSeek-V3 save over 8 ranks has 363k chunks (~50 MB: 5.2M nodes, refused as crafted under
+# the fixed budgets alone). Time and memory then stay within a multiple of the pickle's size, and what the
 # budgets are for still runs into them: a DAG or a shared container referenced over and over describes
 # far more nodes than it has bytes. (A pickle read as a stream, torch.save's legacy format, keeps the
 # fixed budgets: its size is not known up front.)
 OPS_PER_BYTE = 1  # (every opcode is at least a byte: an in-memory pickle cannot run past its size)
-NODES_PER_BYTE = 1  # DCP metadata describes 0.2 nodes per byte, a rank file of DTensors 0.04
-HELD_PER_BYTE = 0.5  # objects held at once: DCP metadata 0.11 per byte
+NODES_PER_BYTE = 1  # DCP metadata describes 0.1-0.2 nodes per byte, a rank file of DTensors 0.04
+HELD_PER_BYTE = 0.5  # objects held at once: DCP metadata ~0.1 per byte
 _CHECK_EVERY = 65536  # opcodes between two checks of the objects the unpickler holds
 
 
