@@ -58,7 +58,9 @@ def test_bf16_save_resumes_on_one_rank(src, optimizer, engine_ckpt):
     """bf16 ZeRO-2, and DeepSpeed's BF16_Optimizer (bf16 + ZeRO-1 + fp32 gradient accumulation), saved
     on 2 ranks and loaded on 1: fp32 masters the engine's own, every state bitwise what the own-layout
     run loads, step carried. The first loss after loading is the own run's to the last bit (the same
-    bf16 weights on the same rows); the second follows a step whose bf16 gradients one run computes
+    bf16 weights on the same rows) where torch's CPU kernels are AVX-512's; on an AVX2-only CPU one
+    process's forward over 4 rows and two ranks' over 2 + 2 round apart in the loss's last bits
+    (measured: 7e-8 relative), so equal to 1e-6 there. The second follows a step whose bf16 gradients one run computes
     on 4 rows and the other on 2 + 2 rows reduced over 2 ranks, which round apart in bf16: equal
     to 1e-4 relative (measured: about 1e-5)."""
     own, own_states = _run(engine_ckpt(f"ucw-{src}-own"))
@@ -69,7 +71,10 @@ def test_bf16_save_resumes_on_one_rank(src, optimizer, engine_ckpt):
     bad = _differ(uni_states, own_states)
     assert not bad, f"states loaded from the universal checkpoint differ from the own-layout run's: {bad[:5]}"
     assert uni["steps"] == own["steps"] == [2.0] and uni["global_steps"] == own["global_steps"] == 4
-    assert uni["losses_hex"][0] == own["losses_hex"][0], (uni["losses"], own["losses"])
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        assert uni["losses_hex"][0] == own["losses_hex"][0], (uni["losses"], own["losses"])
+    else:  # (AVX2's bf16 kernels block by rows: 4 rows in one process and 2 + 2 round apart in the last bits)
+        assert uni["losses"][0] == pytest.approx(own["losses"][0], rel=1e-6), (uni["losses"], own["losses"])
     assert uni["losses"][1] == pytest.approx(own["losses"][1], rel=1e-4)
 
 
