@@ -196,16 +196,20 @@ RF_CHILD = ("import json, resource, sys, time\n"
             "                  'tensors': len(plan.tensors)}))\n")
 
 
-def rf_generate(world: int) -> Path:
-    out = CACHE / f"rank-files-w{world}"
+def synth_once(script: str, out: Path, world: int) -> Path:
+    """``benchmarks/<script> OUT --world W`` once: its summary line kept in ``OUT/DONE`` (then reused)."""
     if (out / "DONE").exists():
         return out
     shutil.rmtree(out, ignore_errors=True)
-    print(f"generating the MoE per-rank files x {world} ranks (once)", file=sys.stderr, flush=True)
-    text = subprocess.run([PY, str(REPO / "benchmarks" / "synth_rank_files.py"), str(out), "--world", str(world)],
+    print(f"generating {out.name} with {script} (once)", file=sys.stderr, flush=True)
+    text = subprocess.run([PY, str(REPO / "benchmarks" / script), str(out), "--world", str(world)],
                           env=ENV, check=True, capture_output=True, text=True).stdout
     (out / "DONE").write_text(text.strip().splitlines()[-1])
     return out
+
+
+def rf_generate(world: int) -> Path:
+    return synth_once("synth_rank_files.py", CACHE / f"rank-files-w{world}", world)
 
 
 def rf_main(args) -> int:
@@ -248,12 +252,7 @@ def dcp_main(args) -> int:
     ranks = "8,16" if args.ranks == "8,64,256,1024" else args.ranks
     results, saved = {}, CACHE / "dcp-results.json"
     for world in map(int, ranks.split(",")):
-        src = CACHE / f"dcp-w{world}"
-        if not (src / "DONE").exists():
-            print(f"generating the MoE DCP save x {world} ranks (once)", file=sys.stderr, flush=True)
-            text = subprocess.run([PY, str(REPO / "benchmarks" / "synth_dcp.py"), str(src), "--world", str(world)],
-                                  env=ENV, check=True, capture_output=True, text=True).stdout
-            (src / "DONE").write_text(text.strip().splitlines()[-1])
+        src = synth_once("synth_dcp.py", CACHE / f"dcp-w{world}", world)
         made = json.loads((src / "DONE").read_text())
         runs = []
         for _ in range(args.rounds):
