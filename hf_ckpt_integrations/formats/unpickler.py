@@ -34,6 +34,7 @@ import struct
 from typing import Any, Callable, Iterable, Iterator, Mapping, NoReturn, Optional, Protocol
 
 from ..errors import CheckpointError, UnsafeCheckpointError, short_repr
+from .pickle_memo import HOLE as _HOLE, Memo as _Memo
 # The stand-ins and shared allowlists live beside; re-exported here, where readers look for them.
 from .pickle_values import (ATOMS, CLIENT_STATE, CONTAINERS, EnumMember, Leaf, NumpyArray, NumpyDtype,
                             NumpyScalar, Opaque, Record, StandIn, check_key, check_keys, record_type)
@@ -91,6 +92,7 @@ class _Unpickler(_pickle._Unpickler):
         self._allowed = allowed
         self._persistent_load = persistent_load  # None: a plain pickle, persistent ids refused
         self._file = file
+        self.memo: Any = _Memo(self._max_held)
         self._parked = 0  # objects on the stacks that MARKs set aside (self.metastack)
         # The whole pickle, when it is in memory (:func:`loads`): the common opcodes run inline.
         self._memfile: Optional[io.BytesIO] = file if type(file) is io.BytesIO else None
@@ -154,12 +156,18 @@ class _Unpickler(_pickle._Unpickler):
                 if op == _LONG_BINPUT:
                     memo[unpack_from("<I", data, pos)[0]] = stack[-1]
                     pos += 4
-                elif op == _BINGET:
-                    i = data[pos]
-                    pos += 1
-                    if i not in memo:
-                        raise pickle.UnpicklingError(f"Memo value not found at index {i}")
+                elif op == _BINGET or op == _LONG_BINGET:
+                    if op == _BINGET:
+                        i = data[pos]
+                        pos += 1
+                    else:
+                        i = unpack_from("<I", data, pos)[0]
+                        pos += 4
+                    if i >= len(memo) or memo[i] is _HOLE:
+                        memo.get(i)  # (raises: not found)
                     append(memo[i])
+                elif op == _MEMOIZE:
+                    memo.append(stack[-1])
                 elif op == _BININT1:
                     append(data[pos])
                     pos += 1
@@ -205,6 +213,9 @@ class _Unpickler(_pickle._Unpickler):
                 elif op == _FRAME:  # framed (protocol 4+): the standard loop from here
                     file.seek(pos - 1)
                     return left - done  # the FRAME itself is the standard loop's first opcode
+                elif op == _BININT2:
+                    append(data[pos] | data[pos + 1] << 8)
+                    pos += 2
                 else:
                     file.seek(pos)
                     dispatch[op](self)  # STOP raises _Stop with the value
@@ -258,6 +269,16 @@ class _Unpickler(_pickle._Unpickler):
                                         f"{type(self.stack[-2]).__name__}; the file was not executed")
         _pickle._Unpickler.load_build(self)
 
+    # The GETs through the list memo's checked lookup (a negative index, a hole: not found)
+    def _load_get(self) -> None:
+        self.append(self.memo.get(int(self.readline()[:-1])))
+
+    def _load_binget(self) -> None:
+        self.append(self.memo.get(self.read(1)[0]))
+
+    def _load_long_binget(self) -> None:
+        self.append(self.memo.get(struct.unpack("<I", self.read(4))[0]))
+
     def _refuse(self) -> NoReturn:
         raise UnsafeCheckpointError(f"{self._path}: refused for safety: its pickle uses a protocol-0/1 "
                                     "or keyword object constructor that torch.save never writes; the file "
@@ -291,9 +312,10 @@ class _Unpickler(_pickle._Unpickler):
 
 _OPS = {name: getattr(pickle, name)[0] for name in (
     "LONG_BINPUT", "BINPUT", "BINGET", "BININT1", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "MARK", "BINUNICODE",
-    "SHORT_BINUNICODE", "EMPTY_TUPLE", "EMPTY_DICT", "NEWFALSE", "NONE", "FRAME")}
+    "SHORT_BINUNICODE", "EMPTY_TUPLE", "EMPTY_DICT", "NEWFALSE", "NONE", "FRAME", "LONG_BINGET", "MEMOIZE",
+    "BININT2")}
 (_LONG_BINPUT, _BINPUT, _BINGET, _BININT1, _TUPLE, _TUPLE1, _TUPLE2, _TUPLE3, _MARK, _BINUNICODE, _SHORT_BINUNICODE,
- _EMPTY_TUPLE, _EMPTY_DICT, _NEWFALSE, _NONE, _FRAME) = _OPS.values()
+ _EMPTY_TUPLE, _EMPTY_DICT, _NEWFALSE, _NONE, _FRAME, _LONG_BINGET, _MEMOIZE, _BININT2) = _OPS.values()
 
 
 def _hashed_items(real: Callable[["_Unpickler"], None]) -> Callable[["_Unpickler"], None]:
@@ -314,6 +336,9 @@ _Unpickler._dispatch = {
     pickle.MARK[0]: _Unpickler._load_mark,
     pickle.NEWOBJ[0]: _Unpickler._load_newobj,
     pickle.BUILD[0]: _Unpickler._load_build,
+    pickle.GET[0]: _Unpickler._load_get,
+    pickle.BINGET[0]: _Unpickler._load_binget,
+    pickle.LONG_BINGET[0]: _Unpickler._load_long_binget,
     pickle.NEWOBJ_EX[0]: _Unpickler._refuse,
     pickle.OBJ[0]: _Unpickler._refuse,
     pickle.INST[0]: _Unpickler._refuse,
@@ -403,6 +428,8 @@ def _children(node: Any) -> Iterable[Any]:
         return [*node.keys(), *node.values()]
     if t in (list, tuple, set, frozenset):
         return node
+    if isinstance(node, Record):
+        return (node.state,)
     if isinstance(node, StandIn):
         return vars(node).values()
     if t is slice:

@@ -327,16 +327,22 @@ def _chunks(name: str, t: DcpTensor, where: str, piece_of: PieceOf) -> List[Chun
 
 
 def _chunk_piece(dcp_dir: str, name: str, fqn: str, dtype: str, off: Dims, sz: Dims, storage: Storage,
-                 where: str) -> Piece:
+                 where: str, data_files: Dict[str, str]) -> Piece:
+    """The piece holding the chunk of ``fqn`` at ``off`` (its archive checked against the metadata);
+    ``data_files``: ``{file name: path}`` of the data files seen so far, shared by one plan's calls."""
     entry = storage.get((fqn, off))
     if entry is None:
         raise LayoutError(f"{where}: no storage entry for the chunk of {name} at offsets {list(off)}; the metadata "
                           "is incomplete: copy the whole checkpoint directory again")
     rel, start, length = entry
-    path = os.path.join(dcp_dir, rel)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing (the chunk of {name} at offsets {list(off)} is stored there); copy "
-                              "every .distcp file of the checkpoint")
+    # one path string (and one stat) per data file, not per chunk: a plan holds 100k-1M chunks
+    path = data_files.get(rel)
+    if path is None:
+        path = os.path.join(dcp_dir, rel)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: missing (the chunk of {name} at offsets {list(off)} is stored there); "
+                                  "copy every .distcp file of the checkpoint")
+        data_files[rel] = path
     ref = torch_files.load(path, offset=start, length=length, allowed=torch_files.TORCH_TENSOR_ALLOWED)
     if not isinstance(ref, torch_files.TensorRef) or ref.shape != tuple(sz) or ref.dtype != dtype:
         got = (f"{ref.dtype} {list(ref.shape)}" if isinstance(ref, torch_files.TensorRef) else type(ref).__name__)
@@ -360,8 +366,9 @@ def plan_dcp_dir(dcp_dir: str, *, config_dir: Optional[str] = None, source: Opti
             raise CheckpointError(f"{where}: holds no model tensors (only "
                                   f"{', '.join(sorted({p[0] for p in paths.values()}))[:200]}); pass the model's DCP "
                                   "checkpoint directory")
-        entries = [(name, tensors[fqn], partial(_chunk_piece, dcp_dir, name, fqn, tensors[fqn].dtype,
-                                                storage=storage, where=where)) for fqn, name in names.items()]
+        data_files: Dict[str, str] = {}
+        entries = [(name, tensors[fqn], partial(_chunk_piece, dcp_dir, name, fqn, tensors[fqn].dtype, storage=storage,
+                                                where=where, data_files=data_files)) for fqn, name in names.items()]
         skipped = len(tensors) - len(names)
     out: List[TensorPlan] = []
     chunk_counts: Dict[int, int] = {}

@@ -183,11 +183,12 @@ def _read_torch_dist(ckpt_dir: str) -> Save:
     tensors_meta, storage, _ = dcp.read_metadata(ckpt_dir)
     where = os.path.join(ckpt_dir, dcp.METADATA)
     out: Dict[str, GlobalTensor] = {}
+    data_files: Dict[str, str] = {}
     for fqn, t in tensors_meta.items():
         if fqn.startswith(NOT_MODEL):
             continue
         chunks = dcp._chunks(fqn, t, where, lambda off, sz, fqn=fqn, t=t: dcp._chunk_piece(
-            ckpt_dir, fqn, fqn, t.dtype, off, sz, storage, where))
+            ckpt_dir, fqn, fqn, t.dtype, off, sz, storage, where, data_files))
         out[fqn] = GlobalTensor(fqn, tuple(t.size), t.dtype, chunks)
     files = sorted({p.path for g in out.values() for c in g.chunks for p in c.pieces})
     it = common.get("iteration")
