@@ -1,0 +1,66 @@
+"""Draw ``docs/disk.png`` from the ``disk-bench`` table of ``docs/performance.md``.
+
+``disk_bench.py --doc`` draws the plot from its results cache (``.bench-cache/disk-results.json``),
+which lives on the machine that measured; rows added by hand from a later run on another machine
+(the 20 GB DCP, per-rank and universal rows of 2026-12-06) are only in the table. This draws the
+same two panels (cold-cache GB/s written, peak RSS, against the checkpoint's size) from the table
+itself, so the plot shows every row the docs report. Rows of an extra configuration (``1GB
+shards``) stay in the table only, as in ``disk_bench.py``. Usage: ``python benchmarks/plot_disk_table.py``.
+"""
+
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DOC = REPO / "docs" / "performance.md"
+PLOT = REPO / "docs" / "disk.png"
+START, END = "<!-- disk-bench:start -->", "<!-- disk-bench:end -->"
+
+
+def rows(text: str):
+    """``(source, size GB, tool, cold GB/s, peak RSS MB)`` of each measured row of the table."""
+    block = text[text.index(START):text.index(END)]
+    extra = False  # inside an extra configuration's rows (its copy row follows its tool rows)
+    for line in block.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 10 or not re.match(r"^[\d.]+ GB$", cells[1]):
+            continue
+        if "shards" in cells[3] or (extra and cells[3].startswith("`cp -r`")):
+            extra = "shards" in cells[3]
+            continue
+        extra = False
+        tool = "cp (same bytes)" if cells[3].startswith("`cp -r`") else cells[3]
+        yield cells[0], float(cells[1].split()[0]), tool, float(cells[6]), float(cells[9].split()[0].replace(",", ""))
+
+
+def main() -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = {}
+    for source, gb, tool, gbps, rss in rows(DOC.read_text()):
+        series.setdefault((tool.startswith("cp "), f"{source}: {tool}"), []).append((gb, gbps, rss))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for (is_cp, label), pts in sorted(series.items(), key=lambda kv: kv[0][1]):
+        pts.sort()
+        ax1.plot([p[0] for p in pts], [p[1] for p in pts], "x:" if is_cp else "o-", label=label)
+        if not is_cp:
+            ax2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
+    ax1.set_title("cold-cache write speed, GB/s")
+    ax2.set_title("peak RSS per process, MB")
+    ax2.set_yscale("log")
+    for ax, where in ((ax1, "upper left"), (ax2, "center right")):
+        ax.set_xlabel("checkpoint size, GB of tensors")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=5.5, loc=where, ncol=2)
+    fig.tight_layout()
+    fig.savefig(PLOT, dpi=110)
+    print(f"{PLOT}: {sum(len(v) for v in series.values())} points in {len(series)} series")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
