@@ -5,7 +5,7 @@ which lives on the machine that measured; rows added by hand from a later run on
 (the 20 GB DCP, per-rank and universal rows of 2026-12-06) are only in the table. This draws the
 same two panels (cold-cache GB/s written, peak RSS, against the checkpoint's size) from the table
 itself, so the plot shows every row the docs report. Rows of an extra configuration (``1GB
-shards``) stay in the table only, as in ``disk_bench.py``. Usage: ``python benchmarks/plot_disk_table.py``.
+shards``) and superseded ones (``(before the fix below)``) stay in the table only. Usage: ``python benchmarks/plot_disk_table.py``.
 """
 
 import re
@@ -26,11 +26,13 @@ def rows(text: str):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) != 10 or not re.match(r"^[\d.]+ GB$", cells[1]):
             continue
-        if "shards" in cells[3] or (extra and cells[3].startswith("`cp -r`")):
-            extra = "shards" in cells[3]
+        # an extra configuration ("1GB shards") or a superseded measurement ("(before ...)"), and its copy row
+        superseded = "shards" in cells[3] or "(before" in cells[3]
+        if superseded or (extra and cells[3].startswith("`cp -r`")):
+            extra = superseded
             continue
         extra = False
-        tool = "cp (same bytes)" if cells[3].startswith("`cp -r`") else cells[3]
+        tool = "cp (same bytes)" if cells[3].startswith("`cp -r`") else re.sub(r"\s*\(.*\)$", "", cells[3])
         yield cells[0], float(cells[1].split()[0]), tool, float(cells[6]), float(cells[9].split()[0].replace(",", ""))
 
 

@@ -182,8 +182,10 @@ def _stream(tensor: OutTensor, buf: bytearray, files: SourceFiles) -> Iterator:
     (:func:`~.file_ranges.iter_range`: a source file that ends early is an error naming it)."""
     assert tensor.chunks is not None  # None: a sizes-only tensor, which no writer writes
     for chunk in tensor.chunks():
-        if isinstance(chunk, tuple):
-            yield from iter_range(files.fd(chunk[0]), FileRange(*chunk), buf)
+        if isinstance(chunk, FileRange):
+            # (never FileRange(*chunk): its len() is its byte count, so unpacking it preallocated a tuple
+            # of 8 bytes per byte of the range, zeroed: 246 MB per 31 MB piece of a 20 GB save)
+            yield from iter_range(files.fd(chunk.path), chunk, buf)
         else:
             yield chunk
 

@@ -161,6 +161,28 @@ def test_file_ranges_stream_in_bounded_chunks(tmp_path, monkeypatch):
     assert got.numpy().tobytes() == data
 
 
+def test_a_large_file_range_is_written_in_flat_memory(tmp_path):
+    """A 16 MB range is written with a few MB of Python allocations (tracemalloc, deterministic): the
+    writer once rebuilt each range with ``FileRange(*chunk)``, and a FileRange's len() is its byte
+    count, so that preallocated (and zeroed) a tuple of 8 bytes per byte: 128 MB here, 246 MB per
+    31 MB piece of a 20 GB universal checkpoint, and 3x its time (issue 39)."""
+    import tracemalloc
+
+    src = tmp_path / "src.bin"
+    n = 16 * 2**20
+    with open(src, "wb") as fh:
+        fh.truncate(n)
+    tensor = OutTensor("param", "F32", (n // 4,), lambda: [FileRange(str(src), 0, n)])
+    tracemalloc.start()
+    try:
+        _write({"param": tensor}, tmp_path / "out.pt")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2**20, f"{peak / 2**20:.0f} MB"
+    assert torch.load(tmp_path / "out.pt", weights_only=True)["param"].count_nonzero() == 0
+
+
 def test_a_short_source_is_refused(tmp_path):
     src = tmp_path / "src.bin"
     src.write_bytes(b"\0" * 100)
