@@ -235,12 +235,6 @@ def render(results: list, meta: dict) -> str:
 
 
 def plot(results: list) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     series = {}
     for res in results:
         s = summarize(res)
@@ -252,6 +246,18 @@ def plot(results: list) -> None:
             label = f"{res['layout']}: {'cp (same bytes)' if is_cp else tool_name(res['layout'], tool)}"
             series.setdefault((is_cp, label), []).append(
                 (res["src_bytes"] / 1e9, res["copy_bytes"] / 1e9 / c["s"] if is_cp else c["gbps"], c["rss"] / 1e6))
+    draw(series)
+
+
+def draw(series: dict) -> None:
+    """``docs/disk.png`` from ``{(is the copy, label): [(size GB, cold GB/s, peak RSS MB)]}``: GB/s of every
+    series on the left, RSS of the tools' on the right (also used by ``plot_disk_table.py``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     for (is_cp, label), pts in sorted(series.items(), key=lambda kv: kv[0][1]):
         pts.sort()
         ax1.plot([p[0] for p in pts], [p[1] for p in pts], "x:" if is_cp else "o-", label=label)
@@ -260,10 +266,10 @@ def plot(results: list) -> None:
     ax1.set_title("cold-cache write speed, GB/s")
     ax2.set_title("peak RSS per process, MB")
     ax2.set_yscale("log")
-    for ax in (ax1, ax2):
+    for ax, where in ((ax1, "upper left"), (ax2, "center right")):
         ax.set_xlabel("checkpoint size, GB of tensors")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=5.5, loc=where, ncol=2)
     fig.tight_layout()
     fig.savefig(PLOT, dpi=110)
 

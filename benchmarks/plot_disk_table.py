@@ -14,7 +14,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "performance.md"
-PLOT = REPO / "docs" / "disk.png"
 START, END = "<!-- disk-bench:start -->", "<!-- disk-bench:end -->"
 
 
@@ -37,29 +36,12 @@ def rows(text: str):
 
 
 def main() -> int:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from disk_bench import PLOT, draw  # (benchmarks/ is this script's directory: on sys.path)
 
     series = {}
     for source, gb, tool, gbps, rss in rows(DOC.read_text()):
         series.setdefault((tool.startswith("cp "), f"{source}: {tool}"), []).append((gb, gbps, rss))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for (is_cp, label), pts in sorted(series.items(), key=lambda kv: kv[0][1]):
-        pts.sort()
-        ax1.plot([p[0] for p in pts], [p[1] for p in pts], "x:" if is_cp else "o-", label=label)
-        if not is_cp:
-            ax2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
-    ax1.set_title("cold-cache write speed, GB/s")
-    ax2.set_title("peak RSS per process, MB")
-    ax2.set_yscale("log")
-    for ax, where in ((ax1, "upper left"), (ax2, "center right")):
-        ax.set_xlabel("checkpoint size, GB of tensors")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=5.5, loc=where, ncol=2)
-    fig.tight_layout()
-    fig.savefig(PLOT, dpi=110)
+    draw(series)
     print(f"{PLOT}: {sum(len(v) for v in series.values())} points in {len(series)} series")
     return 0
 
